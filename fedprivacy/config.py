@@ -1,0 +1,172 @@
+"""Typed, validated run configuration: the single source of truth for a run.
+
+A YAML file (see ``configs/``) is parsed into :class:`RunConfig`; ``--set key=value`` overrides
+address nested fields with dots (``privacy.noise_multiplier=0``). Unknown fields are errors, and
+every error names the offending field, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    """Where the StackOverflow files are and how tag prediction is preprocessed."""
+
+    path: Path = Path("data/synthetic")
+    """Folder holding ``stackoverflow.sqlite``, ``stackoverflow.word_count``, ``stackoverflow.tag_count``."""
+    generate_if_missing: bool = True
+    """Generate the synthetic data set (deterministic per ``synthetic_seed``) if the folder is empty."""
+    synthetic_clients: int = Field(1000, ge=1)
+    synthetic_seed: int = 0
+    vocab_size: int = Field(10_000, ge=1)
+    num_tags: int = Field(500, ge=1)
+    no_tag: Literal["label0", "drop"] = "label0"
+    """Posts with no tag in the top ``num_tags``: label 0 (the AdaDPS code's quirk) or dropped."""
+    max_clients: int | None = Field(None, ge=1)
+    """Use only the first ``max_clients`` training users (sorted ids); the population is this many."""
+    max_test_examples: int | None = Field(None, ge=1)
+    """Cap on pooled test examples used for evaluation (first ones in client order)."""
+
+
+class ClientConfig(_Section):
+    """Local training on each sampled client."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(100, ge=1)
+    lr: float = Field(0.5, ge=0.0)
+    """Client learning rate; 0 is valid (clients then return zero deltas)."""
+
+
+class ServerConfig(_Section):
+    """Server optimizer applied to the noised average (SGD with heavy-ball momentum)."""
+
+    lr: float = Field(1.0, ge=0.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class PrivacyConfig(_Section):
+    """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
+
+    clip_norm: float = Field(1.0, gt=0.0)
+    noise_multiplier: float = Field(0.3, ge=0.0)
+    """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy)."""
+    sampling: Literal["poisson", "fixed"] = "poisson"
+    """poisson: each user joins independently with q = expected_cohort / population;
+    fixed: exactly expected_cohort users without replacement."""
+    expected_cohort: int = Field(100, ge=1)
+    """m: expected (poisson) or exact (fixed) cohort size; also the fixed divisor."""
+    delta: float | None = Field(None, gt=0.0, lt=1.0)
+    """Target delta; default 1 / population."""
+    accountants: tuple[Literal["rdp", "prv", "pld"], ...] = ("rdp", "prv", "pld")
+    budget_accountant: Literal["rdp", "prv", "pld"] = "rdp"
+    """Accountant whose epsilon is checked against ``target_epsilon``."""
+    target_epsilon: float | None = Field(None, gt=0.0)
+    """Stop before the round that would push epsilon above this."""
+    secure_noise: bool = False
+    """Seed the noise generator from the OS's cryptographic source instead of the run seed."""
+
+    @model_validator(mode="after")
+    def _budget_accountant_is_computed(self) -> PrivacyConfig:
+        if self.budget_accountant not in self.accountants:
+            raise ValueError(
+                f"privacy.budget_accountant={self.budget_accountant!r} must be one of "
+                f"privacy.accountants={list(self.accountants)}"
+            )
+        return self
+
+
+class RayConfig(_Section):
+    """Resources per ClientApp on Flower's Simulation Engine."""
+
+    num_cpus: float = Field(1.0, gt=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+
+
+class RunConfig(_Section):
+    """One federated training run."""
+
+    seed: int = 0
+    rounds: int = Field(30, ge=1)
+    eval_every: int = Field(5, ge=1)
+    engine: Literal["inprocess", "ray"] = "inprocess"
+    device: str = "cpu"
+    output_dir: Path = Path("runs/quickstart")
+    checkpoint_every: int = Field(1, ge=1)
+    data: DataConfig = DataConfig()
+    client: ClientConfig = ClientConfig()
+    server: ServerConfig = ServerConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    ray: RayConfig = RayConfig()
+
+    def to_json(self) -> str:
+        """Serialise (round-trips through :func:`config_from_json`)."""
+        return self.model_dump_json()
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {field}: unknown field")
+        else:
+            lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _apply_override(tree: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like key=value (e.g. privacy.noise_multiplier=0)")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "config") -> RunConfig:
+    """Validate a nested dict plus ``key=value`` overrides into a :class:`RunConfig`."""
+    tree = json.loads(json.dumps(tree, default=str))  # deep copy, plain types
+    for assignment in overrides:
+        _apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML config file and apply overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return build_config(tree, overrides, source=str(path))
+
+
+def config_from_json(text: str) -> RunConfig:
+    """Inverse of :meth:`RunConfig.to_json`."""
+    return build_config(json.loads(text), source="json")

@@ -1,0 +1,86 @@
+"""The privatized aggregate of one round: clip -> unweighted sum -> ONE Gaussian draw -> fixed divisor.
+
+.. math::
+    g_t = \\frac{1}{m} \\Big( \\sum_{i \\in S_t} \\operatorname{clip}(u_i, C)
+          + \\mathcal N(0, z^2 C^2 I_d) \\Big)
+
+with ``m`` the EXPECTED cohort from the config, never the number of replies (invariant 2), so
+the released value's sensitivity is ``C/m`` and its noise std ``zC/m`` whatever the realised
+cohort. Updates are streamed: memory is one accumulator of size ``d``, not one per client.
+
+Rejections (invariants 11 and 12): a reply that is missing, failed, has the wrong shape, or holds
+NaN/Inf contributes zero. Nothing about a rejection changes the noise or the divisor.
+
+Privacy: MECHANISM stage. Everything downstream (server optimizer, filters) sees only ``g_t``.
+References: McMahan et al. 2018, arXiv:1710.06963v3, Alg. 1 (DP-FedAvg with fixed denominator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fedprivacy.privacy.clipping import flat_l2_clip_
+from fedprivacy.privacy.noise import GaussianNoise
+
+
+@dataclass
+class AggregationStats:
+    """Diagnostics of one round (raw norms are NOT private; they are for the simulation's user)."""
+
+    received: int = 0
+    accepted: int = 0
+    rejected_nonfinite: int = 0
+    rejected_malformed: int = 0
+    clipped: int = 0
+    norms: list[float] = field(default_factory=list)
+
+    def as_metrics(self) -> dict[str, float]:
+        norms = torch.tensor(self.norms) if self.norms else torch.zeros(1)
+        return {
+            "cohort_received": float(self.received),
+            "cohort_accepted": float(self.accepted),
+            "rejected_nonfinite": float(self.rejected_nonfinite),
+            "rejected_malformed": float(self.rejected_malformed),
+            "clipped_fraction": self.clipped / self.accepted if self.accepted else 0.0,
+            "update_norm_median": float(norms.median()),
+        }
+
+
+class PrivateSum:
+    """Accumulates clipped client updates for one round, then releases the noised average."""
+
+    def __init__(self, dim: int, *, clip_norm: float, noise_multiplier: float, expected_cohort: float,
+                 device: str | torch.device = "cpu") -> None:
+        if expected_cohort <= 0:
+            raise ValueError(f"expected_cohort must be > 0, got {expected_cohort}")
+        self.clip_norm = clip_norm
+        self.noise_multiplier = noise_multiplier
+        self.expected_cohort = expected_cohort
+        self._sum = torch.zeros(dim, dtype=torch.float32, device=device)
+        self.stats = AggregationStats()
+
+    def add_(self, update: torch.Tensor | None) -> bool:
+        """Clip ``update`` (flat; modified in place) and add it; return whether it was accepted.
+
+        ``None`` stands for a reply that failed or carried the wrong arrays.
+        """
+        self.stats.received += 1
+        if update is None or update.shape != self._sum.shape:
+            self.stats.rejected_malformed += 1
+            return False
+        if not bool(torch.isfinite(update).all()):
+            self.stats.rejected_nonfinite += 1
+            return False
+        norm = flat_l2_clip_(update, self.clip_norm)
+        self.stats.norms.append(norm)
+        self.stats.clipped += norm > self.clip_norm
+        self.stats.accepted += 1
+        self._sum.add_(update.to(self._sum.device))
+        return True
+
+    def release(self, noise: GaussianNoise) -> torch.Tensor:
+        """``(sum + N(0, (zC)^2 I)) / m``: the only value that leaves the mechanism."""
+        noise.add_(self._sum, self.noise_multiplier * self.clip_norm)
+        return self._sum.div_(self.expected_cohort)

@@ -1,0 +1,72 @@
+"""Cohort samplers over the FULL population, each paired with its accounting event (invariant 5).
+
+- :class:`PoissonSampler`: every user joins independently with probability ``q = m / N``; the
+  cohort size is random (mean ``m``). Accounted as ``PoissonSampledDpEvent`` (add/remove-one).
+- :class:`FixedSizeSampler`: exactly ``m`` of ``N`` users without replacement. Accounted as
+  ``SampledWithoutReplacementDpEvent`` (replace-one neighbours).
+
+Both draw from their own ``numpy`` generator whose state is checkpointed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedprivacy.privacy.accounting import GaussianRound
+
+SAMPLING_STREAM = 0x73616D706C65  # "sample"
+
+
+class _Sampler:
+    kind: str
+
+    def __init__(self, population: int, expected_cohort: int, seed: int) -> None:
+        if population < 1:
+            raise ValueError(f"population must be >= 1, got {population}")
+        if not 1 <= expected_cohort <= population:
+            raise ValueError(
+                f"privacy.expected_cohort={expected_cohort} must be between 1 and the population ({population})"
+            )
+        self.population = population
+        self.expected_cohort = expected_cohort
+        self._rng = np.random.default_rng(np.random.SeedSequence([seed, SAMPLING_STREAM]))
+
+    def round_event(self, noise_multiplier: float) -> GaussianRound:
+        """The accounting event of one round released with this sampler."""
+        return GaussianRound(
+            noise_multiplier=noise_multiplier,
+            sampling=self.kind,
+            population=self.population,
+            expected_cohort=float(self.expected_cohort),
+        )
+
+    def state_dict(self) -> dict:
+        return {"bit_generator": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.bit_generator.state = state["bit_generator"]
+
+
+class PoissonSampler(_Sampler):
+    """Independent inclusion with probability ``q = expected_cohort / population``."""
+
+    kind = "poisson"
+
+    def sample(self) -> np.ndarray:
+        """Sorted indices of this round's cohort (possibly empty)."""
+        q = self.expected_cohort / self.population
+        return np.flatnonzero(self._rng.random(self.population) < q)
+
+
+class FixedSizeSampler(_Sampler):
+    """Exactly ``expected_cohort`` users, uniformly without replacement."""
+
+    kind = "fixed"
+
+    def sample(self) -> np.ndarray:
+        return np.sort(self._rng.choice(self.population, size=self.expected_cohort, replace=False))
+
+
+def make_sampler(kind: str, population: int, expected_cohort: int, seed: int) -> _Sampler:
+    """Build the sampler named in ``privacy.sampling``."""
+    return {"poisson": PoissonSampler, "fixed": FixedSizeSampler}[kind](population, expected_cohort, seed)
