@@ -1,0 +1,80 @@
+"""Local training on one client: plain mini-batch SGD, then the model delta.
+
+.. math:: x^{(0)} = x_t,\\quad x^{(j+1)} = x^{(j)} - \\eta_l \\nabla f(x^{(j)}; B_j),
+          \\quad \\Delta_i = x^{(s)} - x_t
+
+(ARCHITECTURE "client: local training" and "client: update"; AdaDPS Alg. 3 with A = 1.)
+The batch order is drawn from a generator seeded by ``(run seed, round, client)``, so the same
+client in the same round trains identically on every engine.
+
+References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+CLIENT_STREAM = 0x636C69656E74  # "client"
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """What a client sends back: its flat delta and non-private diagnostics."""
+
+    delta: torch.Tensor
+    train_loss: float
+    num_examples: int
+
+
+def client_generator(seed: int, server_round: int, client_index: int) -> np.random.Generator:
+    """The data-order generator of one client in one round (engine-independent)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, CLIENT_STREAM, server_round, client_index]))
+
+
+def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
+              batch_size: int, lr: float, rng: np.random.Generator) -> LocalResult:
+    """Train ``model`` in place from its current weights; return ``x_local - x_start`` flattened.
+
+    The loss is the mean cross-entropy over each batch. With ``lr = 0`` the delta is exactly zero.
+    """
+    device = next(model.parameters()).device
+    start = parameters_to_vector(model.parameters()).detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    n = features.shape[0]
+    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+    loss_sum = 0.0
+    model.train()
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        for lo in range(0, n, batch_size):
+            idx = order[lo:lo + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(features[idx]), y_all[idx])
+            loss.backward()
+            optimizer.step()
+            loss_sum += float(loss) * len(idx)
+    delta = parameters_to_vector(model.parameters()).detach().sub_(start)
+    return LocalResult(delta=delta, train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, batch_size: int = 4096) -> dict[str, float]:
+    """Example-weighted loss and accuracy of ``model`` over all rows (TFF/AdaDPS convention)."""
+    model.eval()
+    device = next(model.parameters()).device
+    n = features.shape[0]
+    if n == 0:
+        return {"test_loss": float("nan"), "test_accuracy": float("nan")}
+    loss_sum, correct = 0.0, 0
+    for lo in range(0, n, batch_size):
+        logits = model(features[lo:lo + batch_size])
+        y = torch.from_numpy(np.asarray(labels[lo:lo + batch_size], dtype=np.int64)).to(device)
+        loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == y).sum())
+    return {"test_loss": loss_sum / n, "test_accuracy": correct / n}

@@ -1,0 +1,108 @@
+"""A run's folder: resolved config, per-round metrics CSV, model weights, checkpoint, plot.
+
+Layout of ``output_dir``::
+
+    config.yaml         the resolved RunConfig
+    metrics.csv         one row per round (round, train_loss, test_loss, test_accuracy,
+                        epsilon_<accountant>..., cohort stats, seconds)
+    initial_model.pt    state dict before round 1
+    final_model.pt      state dict after the last round
+    checkpoint.pt       everything needed to resume (written atomically)
+    metrics.png         test accuracy and epsilon vs round
+    summary.json        final numbers and why the run stopped
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import yaml
+
+from fedprivacy.config import RunConfig
+
+CHECKPOINT = "checkpoint.pt"
+
+
+class RunExistsError(RuntimeError):
+    """The output folder already holds a run and resuming was not asked for."""
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class RunOutputs:
+    """Writes a run's files; reads its checkpoint back when resuming."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.output_dir)
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.dir / CHECKPOINT
+
+    def prepare(self, resume: bool) -> dict | None:
+        """Create the folder; return the checkpoint to resume from (or ``None`` for a fresh run)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.checkpoint_path.exists():
+            if not resume:
+                raise RunExistsError(
+                    f"{self.dir} already holds a run ({CHECKPOINT}); pass --resume to continue it "
+                    "or choose another output_dir"
+                )
+            state = torch.load(self.checkpoint_path, weights_only=False)
+            self.rows = list(state["metrics"])
+            self._write_metrics()
+            return state
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(json.loads(self.cfg.to_json()), sort_keys=False))
+        return None
+
+    def log_round(self, row: dict[str, float]) -> None:
+        self.rows.append(row)
+        self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        pd.DataFrame(self.rows).to_csv(self.dir / "metrics.csv", index=False)
+
+    def save_model(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
+        _atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.dir / name)
+
+    def save_checkpoint(self, state: dict) -> None:
+        _atomic_save({**state, "metrics": self.rows, "config": self.cfg.to_json()}, self.checkpoint_path)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        if self.rows:
+            plot_metrics(pd.DataFrame(self.rows), self.dir / "metrics.png")
+
+
+def plot_metrics(df: pd.DataFrame, path: Path) -> None:
+    """Test accuracy and epsilon (every accountant) against the round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
+    acc = df.dropna(subset=["test_accuracy"]) if "test_accuracy" in df else df.iloc[0:0]
+    ax_acc.plot(acc["round"], acc.get("test_accuracy", []), marker="o")
+    ax_acc.set(xlabel="round", ylabel="test accuracy", title="Test accuracy")
+    for col in [c for c in df.columns if c.startswith("epsilon_")]:
+        if df[col].notna().any():
+            ax_eps.plot(df["round"], df[col], label=col.removeprefix("epsilon_"))
+    ax_eps.set(xlabel="round", ylabel="epsilon", title="Privacy spent")
+    ax_eps.legend()
+    for ax in (ax_acc, ax_eps):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
