@@ -1,0 +1,101 @@
+"""Command line: ``fedprivacy run | epsilon | data generate``.
+
+Errors a user can fix (bad config field, missing or corrupt data file, existing run folder)
+print one clear line naming the field or file and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from fedprivacy.config import ConfigError, RunConfig, build_config, load_config
+
+EXIT_USAGE = 2
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fedprivacy.run import run
+
+    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    summary = run(cfg, resume=args.resume)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _cmd_epsilon(args: argparse.Namespace) -> int:
+    from fedprivacy.privacy.accounting import epsilon_for
+
+    kinds = ["rdp", "prv", "pld"] if args.accountant == "all" else [args.accountant]
+    orders = [float(o) for o in args.orders.split(",")] if args.orders else None
+    result = {
+        "sampling": args.sampling, "q": args.q, "noise_multiplier": args.noise_multiplier,
+        "steps": args.steps, "delta": args.delta, "population": args.population,
+        "epsilon": {k: epsilon_for(args.sampling, args.q, args.noise_multiplier, args.steps, args.delta, k,
+                                   population=args.population, rdp_orders=orders) for k in kinds},
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_data_generate(args: argparse.Namespace) -> int:
+    from fedprivacy.data.synthetic import generate
+
+    files = generate(Path(args.out), num_clients=args.clients, seed=args.seed, overwrite=args.overwrite)
+    print(json.dumps({k: str(v) for k, v in vars(files).items()}, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedprivacy", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run one federated training (default: the embedded quickstart)")
+    p.add_argument("config", nargs="?", help="YAML config (default: the built-in quickstart defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set privacy.noise_multiplier=0 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("epsilon", help="epsilon of the (subsampled) Gaussian mechanism, as JSON")
+    p.add_argument("--sampling", choices=["poisson", "fixed", "none"], required=True)
+    p.add_argument("--q", type=float, required=True, help="sampling rate (fixed: cohort / population)")
+    p.add_argument("--noise-multiplier", type=float, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--accountant", choices=["rdp", "prv", "pld", "all"], default="all")
+    p.add_argument("--population", type=int, help="N (required for --sampling fixed)")
+    p.add_argument("--orders", help="comma-separated RDP orders (default: Opacus's)")
+    p.set_defaults(func=_cmd_epsilon)
+
+    p = sub.add_parser("data", help="data sets")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    g = data_sub.add_parser("generate", help="write synthetic StackOverflow data in TFF's SQLite format")
+    g.add_argument("--out", required=True, help="output folder")
+    g.add_argument("--clients", type=int, default=RunConfig().data.synthetic_clients, help="training users")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--overwrite", action="store_true")
+    g.set_defaults(func=_cmd_data_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from fedprivacy.data.stackoverflow import DataFormatError
+    from fedprivacy.outputs import RunExistsError
+
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, DataFormatError, RunExistsError, ValueError) as err:
+        print(f"fedprivacy: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

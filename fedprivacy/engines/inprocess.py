@@ -1,0 +1,98 @@
+"""In-process engine: a Flower ``Grid`` that calls the ClientApp directly, in this process.
+
+No Ray, no SuperLink, no polling sleeps: ``send_and_receive`` returns a lazy iterator that runs
+each destination's ClientApp when the ServerApp asks for the next reply, so the server's
+streaming aggregator holds one client update at a time. Messages are the real Flower
+``Message``/``RecordDict`` objects, handed over without serialization. Each node keeps its
+``Context`` (and ``context.state``) across rounds, like a SuperNode.
+
+A ClientApp that raises produces an error reply, as Flower's runtimes do, so the ServerApp
+treats it as a dropout (invariant 11).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Iterable, Iterator
+from uuid import uuid4
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+log = logging.getLogger(__name__)
+
+SERVER_NODE_ID = 1
+CLIENT_APP_EXCEPTION = 1  # error code of a reply whose ClientApp raised
+
+
+class InProcessGrid(Grid):
+    """``num_nodes`` virtual SuperNodes with ``partition-id`` 0..num_nodes-1 and node id ``partition + 2``."""
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1) -> None:
+        self.client_app = client_app
+        self.num_nodes = num_nodes
+        self._run = Run.create_empty(run_id=run_id)
+        self._contexts: dict[int, Context] = {}
+
+    # -- Grid API ---------------------------------------------------------------------------
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return range(2, self.num_nodes + 2)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("the in-process grid delivers synchronously: use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("the in-process grid delivers synchronously: use send_and_receive")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+        """Deliver each message to its node's ClientApp and yield the reply (lazily, in order)."""
+        for msg in list(messages):
+            yield self._deliver(msg)
+
+    # -- delivery ---------------------------------------------------------------------------
+    def _context(self, node_id: int) -> Context:
+        if node_id not in self._contexts:
+            partition = node_id - 2
+            if not 0 <= partition < self.num_nodes:
+                raise ValueError(f"no node with id {node_id}")
+            self._contexts[node_id] = Context(
+                run_id=self._run.run_id, node_id=node_id,
+                node_config={"partition-id": partition, "num-partitions": self.num_nodes},
+                state=RecordDict(), run_config=dict(self._run.override_config),
+            )
+        return self._contexts[node_id]
+
+    def _deliver(self, msg: Message) -> Message:
+        msg.metadata.__dict__["_message_id"] = str(uuid4())  # as Flower's grids do on push
+        try:
+            return self.client_app(msg, self._context(msg.metadata.dst_node_id))
+        except Exception as exc:  # a failing client is a dropout, never a crashed run
+            log.warning("ClientApp on node %s raised %s", msg.metadata.dst_node_id, exc)
+            return Message(Error(code=CLIENT_APP_EXCEPTION, reason="".join(traceback.format_exception_only(exc)).strip()),
+                           reply_to=msg)
+
+
+def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int) -> None:
+    """Run ``server_app`` against ``num_nodes`` in-process SuperNodes running ``client_app``."""
+    grid = InProcessGrid(client_app, num_nodes)
+    TaskIdentity.run_id = grid.run.run_id
+    TaskIdentity.task_id = 1
+    TaskIdentity.node_id = SERVER_NODE_ID
+    context = Context(run_id=grid.run.run_id, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
+                      run_config={})
+    server_app(grid, context)

@@ -1,0 +1,219 @@
+"""Flower ServerApp running DP-FedAvg: the round pipeline of ARCHITECTURE.md, in order.
+
+Per round ``t``:
+
+1. **budget check** (invariant 8): if composing this round's event would push the budget
+   accountant's epsilon over ``privacy.target_epsilon``, stop BEFORE sampling;
+2. **sample** the cohort over the FULL population (Poisson or fixed-size, invariant 5);
+3. **broadcast** ``x_t`` (one ``ArrayRecord`` shared by every message of the round);
+4. **aggregate** the replies as they stream in: flat L2 clip, unweighted sum; failed, missing,
+   malformed or non-finite replies contribute zero (invariants 1, 2, 11, 12);
+5. **privatize**: one dense Gaussian draw on the sum, divide by the EXPECTED cohort (invariant 3);
+6. **server step**: SGD with momentum on the released ``g_t`` only (invariant 6);
+7. **account**: compose the round's event into the ledger; epsilon under every accountant;
+8. **evaluate** every ``eval_every`` rounds, **checkpoint** every ``checkpoint_every`` rounds.
+
+This module only moves messages and calls ``fedprivacy`` core objects; it holds no math.
+Flower's DP wrappers are NOT used: they add noise after the wrapped strategy's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from fedprivacy.client.trainer import evaluate
+from fedprivacy.config import RunConfig, config_from_json, load_config
+from fedprivacy.fl.records import record_to_vector
+from fedprivacy.optim.server_sgd import ServerSGD
+from fedprivacy.outputs import RunOutputs
+from fedprivacy.privacy.accounting import PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.aggregation import PrivateSum
+from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.sampling import make_sampler
+from fedprivacy.task import TagPredictionTask, load_task
+
+log = logging.getLogger(__name__)
+
+NODE_DISCOVERY_TIMEOUT_S = 600.0
+
+
+def config_from_context(context: Context) -> tuple[RunConfig, bool]:
+    """Read the run's config from Flower's run config (``flwr run --run-config``)."""
+    rc = context.run_config
+    if rc.get("config-json"):
+        cfg = config_from_json(str(rc["config-json"]))
+    elif rc.get("config-yaml"):
+        cfg = load_config(str(rc["config-yaml"]))
+    else:
+        raise ValueError("run config needs 'config-yaml' (path to a fedprivacy YAML config) or 'config-json'")
+    return cfg, bool(rc.get("resume", False))
+
+
+def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_TIMEOUT_S) -> list[int]:
+    """Node id of each client index ``0..population-1``; waits until every node is registered.
+
+    Sampling must range over the full population (invariant 5), so no round starts before all
+    nodes answer a ``query`` with their ``partition-id``.
+    """
+    deadline = time.monotonic() + timeout
+    while len(node_ids := list(grid.get_node_ids())) < population:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(node_ids)} of {population} nodes registered within {timeout:.0f}s")
+        time.sleep(0.05)
+    queries = [Message(RecordDict(), dst_node_id=n, message_type="query") for n in node_ids]
+    by_partition: dict[int, int] = {}
+    for reply in grid.send_and_receive(queries, timeout=timeout):
+        if reply.has_error():
+            raise RuntimeError(f"node {reply.metadata.src_node_id} failed the discovery query: {reply.error.reason}")
+        by_partition[int(reply.content["node"]["partition-id"])] = reply.metadata.src_node_id
+    missing = [p for p in range(population) if p not in by_partition]
+    if missing:
+        raise RuntimeError(f"{len(missing)} client partitions have no node (first: {missing[:5]})")
+    return [by_partition[p] for p in range(population)]
+
+
+class DPFedAvgServer:
+    """Holds the server's state and runs the rounds against a Flower ``Grid``."""
+
+    def __init__(self, cfg: RunConfig, task: TagPredictionTask) -> None:
+        self.cfg = cfg
+        self.task = task
+        p = cfg.privacy
+        self.population = task.population
+        self.delta = p.delta if p.delta is not None else 1.0 / self.population
+        self.model = task.new_model(cfg.device)
+        self.params = parameters_to_vector(self.model.parameters()).detach().clone()
+        self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, cfg.seed)
+        self.noise = GaussianNoise(cfg.seed, device=cfg.device, secure=p.secure_noise)
+        self.optimizer = ServerSGD(cfg.server.lr, cfg.server.momentum)
+        self.ledger = PrivacyLedger()
+        self.round = 0
+        self.outputs = RunOutputs(cfg)
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "params": self.params.cpu(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "noise": self.noise.state_dict(),
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.params = state["params"].to(self.cfg.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.noise.load_state_dict(state["noise"])
+        self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        vector_to_parameters(self.params, self.model.parameters())
+        return self.model.state_dict()
+
+    # -- rounds -----------------------------------------------------------------------------
+    def run(self, grid: Grid, resume: bool = False) -> dict[str, Any]:
+        """Run rounds until ``cfg.rounds`` or the privacy budget; return the summary."""
+        checkpoint = self.outputs.prepare(resume)
+        if checkpoint is not None:
+            self.load_state_dict(checkpoint)
+            log.info("resumed from round %d (epsilon so far kept in the ledger)", self.round)
+        else:
+            self.outputs.save_model("initial_model.pt", self._model_state())
+        nodes = discover_nodes(grid, self.population)
+        stop_reason = "rounds"
+        while self.round < self.cfg.rounds:
+            event = self.sampler.round_event(self.cfg.privacy.noise_multiplier)
+            target = self.cfg.privacy.target_epsilon
+            if target is not None and would_exceed(self.ledger, event, self.delta,
+                                                   self.cfg.privacy.budget_accountant, target):
+                stop_reason = "privacy_budget"
+                log.info("stopping before round %d: it would exceed epsilon %.4g", self.round + 1, target)
+                break
+            self._run_round(grid, nodes, event)
+        self.outputs.save_model("final_model.pt", self._model_state())
+        self.outputs.save_checkpoint(self.state_dict())
+        summary = {"rounds_completed": self.round, "stop_reason": stop_reason, "delta": self.delta,
+                   "population": self.population, "engine": self.cfg.engine,
+                   **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
+        self.outputs.finish(summary)
+        return summary
+
+    def _run_round(self, grid: Grid, nodes: list[int], event: Any) -> None:
+        t0 = time.perf_counter()
+        self.round += 1
+        cohort = self.sampler.sample()
+        vector_to_parameters(self.params, self.model.parameters())
+        broadcast = ArrayRecord(self.model.state_dict())
+        round_config = ConfigRecord({"server-round": self.round})
+        expected = {nodes[i] for i in cohort}
+        messages = [
+            Message(RecordDict({"arrays": broadcast, "config": round_config}), dst_node_id=nodes[i],
+                    message_type="train", group_id=str(self.round))
+            for i in cohort
+        ]
+        p = self.cfg.privacy
+        agg = PrivateSum(self.params.numel(), clip_norm=p.clip_norm, noise_multiplier=p.noise_multiplier,
+                         expected_cohort=float(p.expected_cohort), device=self.cfg.device)
+        losses: list[float] = []
+        for reply in grid.send_and_receive(messages):
+            src = reply.metadata.src_node_id
+            if src not in expected:  # a duplicate or unsolicited reply never counts twice
+                log.warning("round %d: ignoring unexpected reply from node %s", self.round, src)
+                continue
+            expected.discard(src)
+            if reply.has_error():
+                log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
+                agg.add_(None)
+                continue
+            update = record_to_vector(reply.content.array_records.get("arrays"), self.model, self.cfg.device)
+            if agg.add_(update):
+                losses.append(float(reply.content["metrics"]["train_loss"]))
+            elif update is not None:
+                log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
+        dropped = len(expected)
+        g = agg.release(self.noise)
+        self.optimizer.step_(self.params, g)
+        self.ledger.compose(event)
+        row: dict[str, float] = {"round": self.round,
+                                 "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+                                 "test_loss": float("nan"), "test_accuracy": float("nan")}
+        eps = epsilons(self.ledger, self.delta, list(p.accountants))
+        row.update({f"epsilon_{k}": (float("nan") if v is None else v) for k, v in eps.items()})
+        if self.round % self.cfg.eval_every == 0 or self.round == self.cfg.rounds:
+            vector_to_parameters(self.params, self.model.parameters())
+            row.update(evaluate(self.model, self.task.test_features, self.task.test_labels))
+        row.update(agg.stats.as_metrics())
+        row["cohort_sampled"] = float(len(cohort))
+        row["cohort_dropped"] = float(dropped)
+        row["seconds"] = time.perf_counter() - t0
+        self.outputs.log_round(row)
+        if self.round % self.cfg.checkpoint_every == 0:
+            self.outputs.save_checkpoint(self.state_dict())
+        log.info("round %d: cohort %d, test acc %.4f, eps(%s) %.4g, %.2fs", self.round, len(cohort),
+                 row["test_accuracy"], p.budget_accountant, row[f"epsilon_{p.budget_accountant}"], row["seconds"])
+
+
+def build_server_app(cfg: RunConfig | None = None, resume: bool = False) -> ServerApp:
+    """A ServerApp bound to ``cfg``, or reading it from Flower's run config when ``cfg`` is None."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_cfg, run_resume = (cfg, resume) if cfg is not None else config_from_context(context)
+        server = DPFedAvgServer(run_cfg, load_task(run_cfg.data))
+        server.run(grid, resume=run_resume)
+
+    return app
+
+
+app = build_server_app()

@@ -1,0 +1,33 @@
+"""Run one configured federated training on the chosen engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from fedprivacy.config import RunConfig
+from fedprivacy.engines.inprocess import run_inprocess
+from fedprivacy.fl.client_app import build_client_app
+from fedprivacy.fl.server_app import build_server_app
+from fedprivacy.task import ensure_data, load_task
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary."""
+    ensure_data(cfg.data)
+    population = load_task(cfg.data).population
+    server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
+    if cfg.engine == "inprocess":
+        run_inprocess(server_app, client_app, population)
+    else:
+        from fedprivacy.engines.ray import run_ray
+
+        run_ray(server_app, client_app, population, cfg.ray)
+    summary_path = Path(cfg.output_dir) / "summary.json"
+    if not summary_path.exists():
+        raise RuntimeError(f"the {cfg.engine} engine finished without writing {summary_path}; see the log above")
+    return json.loads(summary_path.read_text())
