@@ -86,6 +86,11 @@ class PrivacyConfig(_Section):
                 f"privacy.budget_accountant={self.budget_accountant!r} must be one of "
                 f"privacy.accountants={list(self.accountants)}"
             )
+        if self.sampling == "fixed" and set(self.accountants) != {"rdp"}:
+            raise ValueError(
+                "privacy.accountants must be [rdp] with privacy.sampling='fixed': PRV and PLD here model "
+                "Poisson sampling only (use sampling: poisson for PRV/PLD)"
+            )
         return self
 
 
@@ -104,6 +109,9 @@ class RunConfig(_Section):
     eval_every: int = Field(5, ge=1)
     engine: Literal["inprocess", "ray"] = "inprocess"
     device: str = "cpu"
+    num_threads: int | None = Field(1, ge=1)
+    """torch intra-op threads in this process (``None``: torch's default). Per-client work is
+    small sparse ops, which threads slow down more than they help (see BENCHMARKS.md)."""
     output_dir: Path = Path("runs/quickstart")
     checkpoint_every: int = Field(1, ge=1)
     data: DataConfig = DataConfig()

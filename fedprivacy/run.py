@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedprivacy.config import RunConfig
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import build_client_app
@@ -18,6 +20,8 @@ log = logging.getLogger(__name__)
 
 def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary."""
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
     ensure_data(cfg.data)
     population = load_task(cfg.data).population
     server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)

@@ -7,6 +7,12 @@
 The batch order is drawn from a generator seeded by ``(run seed, round, client)``, so the same
 client in the same round trains identically on every engine.
 
+The delta is returned as a :class:`~fedprivacy.privacy.aggregation.SparseUpdate` over the
+coordinates that local SGD can change (``model.update_support(features)`` when the model
+defines it, else all of them). It is the same vector as the dense delta: every other coordinate
+is exactly zero. Afterwards the model is restored to ``x_t`` on those coordinates, so one working
+model serves every client of a round without a full copy.
+
 References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
 """
 
@@ -18,16 +24,17 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import nn
-from torch.nn.utils import parameters_to_vector
+
+from fedprivacy.privacy.aggregation import SparseUpdate
 
 CLIENT_STREAM = 0x636C69656E74  # "client"
 
 
 @dataclass(frozen=True)
 class LocalResult:
-    """What a client sends back: its flat delta and non-private diagnostics."""
+    """What a client sends back: its delta and non-private diagnostics."""
 
-    delta: torch.Tensor
+    update: SparseUpdate
     train_loss: float
     num_examples: int
 
@@ -37,30 +44,65 @@ def client_generator(seed: int, server_round: int, client_index: int) -> np.rand
     return np.random.default_rng(np.random.SeedSequence([seed, CLIENT_STREAM, server_round, client_index]))
 
 
+class FlatView:
+    """Gather/scatter flat (``parameters_to_vector``-order) coordinates of a model's parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [p for p in model.parameters()]
+        sizes = torch.tensor([p.numel() for p in self.params])
+        self.bounds = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        self.numel = int(self.bounds[-1])
+
+    def _parts(self, indices: torch.Tensor):
+        cut = torch.searchsorted(indices.cpu(), self.bounds).tolist()
+        for k, p in enumerate(self.params):
+            if cut[k] < cut[k + 1]:
+                yield p, slice(cut[k], cut[k + 1]), indices[cut[k]:cut[k + 1]] - int(self.bounds[k])
+
+    @torch.no_grad()
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(len(indices), dtype=self.params[0].dtype, device=self.params[0].device)
+        for p, span, local in self._parts(indices):
+            out[span] = p.view(-1)[local]
+        return out
+
+    @torch.no_grad()
+    def scatter_(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        for p, span, local in self._parts(indices):
+            p.view(-1)[local] = values[span]
+
+
 def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
               batch_size: int, lr: float, rng: np.random.Generator) -> LocalResult:
-    """Train ``model`` in place from its current weights; return ``x_local - x_start`` flattened.
+    """Train from the model's current weights; return ``x_local - x_start`` and restore ``x_start``.
 
     The loss is the mean cross-entropy over each batch. With ``lr = 0`` the delta is exactly zero.
     """
-    device = next(model.parameters()).device
-    start = parameters_to_vector(model.parameters()).detach().clone()
+    view = FlatView(model)
+    device = view.params[0].device
+    support = (model.update_support(features) if hasattr(model, "update_support")
+               else torch.arange(view.numel, device=device))
+    start = view.gather(support)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     n = features.shape[0]
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
     loss_sum = 0.0
     model.train()
-    for _ in range(epochs):
-        order = rng.permutation(n)
-        for lo in range(0, n, batch_size):
-            idx = order[lo:lo + batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(features[idx]), y_all[idx])
-            loss.backward()
-            optimizer.step()
-            loss_sum += float(loss) * len(idx)
-    delta = parameters_to_vector(model.parameters()).detach().sub_(start)
-    return LocalResult(delta=delta, train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
+    try:
+        for _ in range(epochs):
+            order = rng.permutation(n)
+            for lo in range(0, n, batch_size):
+                idx = order[lo:lo + batch_size]
+                optimizer.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(features[idx]), y_all[idx])
+                loss.backward()
+                optimizer.step()
+                loss_sum += float(loss.detach()) * len(idx)
+        values = view.gather(support).sub_(start)
+    finally:  # the working model is x_t again, even if training failed
+        view.scatter_(support, start)
+    return LocalResult(update=SparseUpdate(support, values, view.numel),
+                       train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
 
 
 @torch.no_grad()

@@ -1,7 +1,10 @@
-"""Translation between flat parameter vectors and Flower's ``ArrayRecord`` (no math here).
+"""Translation between model vectors/updates and Flower's ``ArrayRecord`` (no math here).
 
-A model travels as an ``ArrayRecord`` keyed by parameter name (``model.named_parameters()``
-order); the server and clients flatten in that same order with ``parameters_to_vector``.
+- A model (the broadcast) travels as an ``ArrayRecord`` keyed by parameter name; it is
+  flattened in ``model.parameters()`` order (``parameters_to_vector``).
+- A client update travels as ``{"indices": int64[k], "values": float32[k]}``: a flat COO vector
+  in that same order (see :class:`~fedprivacy.privacy.aggregation.SparseUpdate`). The server
+  validates it before use; anything else decodes to ``None`` (rejected, contributes zero).
 """
 
 from __future__ import annotations
@@ -11,26 +14,38 @@ import torch
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
+from fedprivacy.privacy.aggregation import SparseUpdate
 
-def vector_to_record(vector: torch.Tensor, model: nn.Module) -> ArrayRecord:
-    """Split a flat vector into ``model``'s parameter shapes, as an ``ArrayRecord``."""
-    flat = vector.detach().to("cpu", torch.float32).numpy()
-    arrays, offset = {}, 0
-    for name, p in model.named_parameters():
-        n = p.numel()
-        arrays[name] = Array(np.ascontiguousarray(flat[offset:offset + n].reshape(tuple(p.shape))))
-        offset += n
-    if offset != flat.size:
-        raise ValueError(f"vector has {flat.size} entries, the model {offset}")
-    return ArrayRecord(arrays)
+
+def update_to_record(update: SparseUpdate) -> ArrayRecord:
+    """Encode a client's flat update."""
+    values = update.values.detach().to("cpu", torch.float32).numpy()
+    if update.indices is None:
+        return ArrayRecord({"values": Array(values)})
+    return ArrayRecord({"indices": Array(update.indices.cpu().numpy()), "values": Array(values)})
+
+
+def record_to_update(record: object, dim: int, device: str | torch.device = "cpu") -> SparseUpdate | None:
+    """Decode a client's update; ``None`` if the record is not an update of dimension ``dim``."""
+    if not isinstance(record, ArrayRecord) or set(record.keys()) not in ({"values"}, {"indices", "values"}):
+        return None
+    values = record["values"]
+    if values.dtype != "float32" or len(values.shape) != 1:
+        return None
+    vals = torch.from_numpy(values.numpy()).to(device)
+    if "indices" not in record:
+        return SparseUpdate(None, vals, dim)
+    indices = record["indices"]
+    if indices.dtype != "int64" or len(indices.shape) != 1:
+        return None
+    return SparseUpdate(torch.from_numpy(indices.numpy()).to(device), vals, dim)
 
 
 def record_to_vector(record: object, model: nn.Module, device: str | torch.device = "cpu") -> torch.Tensor | None:
-    """Flatten an ``ArrayRecord`` laid out like ``model``; ``None`` if it is not laid out so."""
+    """Flatten a broadcast ``ArrayRecord`` laid out like ``model``; ``None`` if it is not."""
     if not isinstance(record, ArrayRecord):
         return None
-    names = [name for name, _ in model.named_parameters()]
-    if list(record.keys()) != names:
+    if list(record.keys()) != [name for name, _ in model.named_parameters()]:
         return None
     parts = []
     for name, p in model.named_parameters():
@@ -39,3 +54,8 @@ def record_to_vector(record: object, model: nn.Module, device: str | torch.devic
             return None
         parts.append(torch.from_numpy(arr.numpy()).reshape(-1))
     return torch.cat(parts).to(device)
+
+
+def model_to_record(model: nn.Module) -> ArrayRecord:
+    """The broadcast: the model's parameters by name."""
+    return ArrayRecord({name: Array(np.ascontiguousarray(p.detach().cpu().numpy())) for name, p in model.named_parameters()})

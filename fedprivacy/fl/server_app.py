@@ -24,13 +24,13 @@ import time
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.trainer import evaluate
 from fedprivacy.config import RunConfig, config_from_json, load_config
-from fedprivacy.fl.records import record_to_vector
+from fedprivacy.fl.records import model_to_record, record_to_update
 from fedprivacy.optim.server_sgd import ServerSGD
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilons, would_exceed
@@ -153,7 +153,7 @@ class DPFedAvgServer:
         self.round += 1
         cohort = self.sampler.sample()
         vector_to_parameters(self.params, self.model.parameters())
-        broadcast = ArrayRecord(self.model.state_dict())
+        broadcast = model_to_record(self.model)
         round_config = ConfigRecord({"server-round": self.round})
         expected = {nodes[i] for i in cohort}
         messages = [
@@ -175,7 +175,7 @@ class DPFedAvgServer:
                 log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
                 agg.add_(None)
                 continue
-            update = record_to_vector(reply.content.array_records.get("arrays"), self.model, self.cfg.device)
+            update = record_to_update(reply.content.array_records.get("arrays"), self.params.numel(), self.cfg.device)
             if agg.add_(update):
                 losses.append(float(reply.content["metrics"]["train_loss"]))
             elif update is not None:

@@ -35,3 +35,21 @@ class SparseLogisticRegression(nn.Module):
         offsets = torch.from_numpy(x.indptr[:-1].astype(np.int64, copy=False)).to(device)
         weights = torch.from_numpy(x.data.astype(np.float32, copy=False)).to(device)
         return self.embedding(indices, offsets, per_sample_weights=weights) + self.bias
+
+    def update_support(self, x: sp.csr_matrix) -> torch.Tensor:
+        """Flat indices (``parameters_to_vector`` order) that plain SGD on rows ``x`` can change.
+
+        Only the weight rows of words present in ``x`` receive gradient (the sparse gradient is
+        exactly zero elsewhere), plus the bias. Sorted, unique.
+        """
+        offsets, at = {}, 0
+        for name, p in self.named_parameters():  # own ``bias`` comes before ``embedding.weight``
+            offsets[name] = at
+            at += p.numel()
+        num_classes = self.bias.numel()
+        rows = torch.from_numpy(np.unique(x.indices).astype(np.int64))
+        cols = torch.arange(num_classes)
+        weight_idx = offsets["embedding.weight"] + (rows[:, None] * num_classes + cols[None, :]).reshape(-1)
+        bias_idx = offsets["bias"] + cols
+        parts = sorted([weight_idx, bias_idx], key=lambda t: int(t[0]) if len(t) else -1)
+        return torch.cat(parts).to(self.bias.device)

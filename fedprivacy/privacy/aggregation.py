@@ -8,8 +8,13 @@ with ``m`` the EXPECTED cohort from the config, never the number of replies (inv
 the released value's sensitivity is ``C/m`` and its noise std ``zC/m`` whatever the realised
 cohort. Updates are streamed: memory is one accumulator of size ``d``, not one per client.
 
-Rejections (invariants 11 and 12): a reply that is missing, failed, has the wrong shape, or holds
-NaN/Inf contributes zero. Nothing about a rejection changes the noise or the divisor.
+Updates arrive as :class:`SparseUpdate` (a flat COO vector: the coordinates not listed are zero)
+or dense. Clipping the listed values IS clipping the whole vector, because the indices must be
+strictly increasing and in range: a repeated index would let a client add more than its clipped
+norm, so such an update is rejected.
+
+Rejections (invariants 11 and 12): a reply that is missing, failed, malformed, or holds NaN/Inf
+contributes zero. Nothing about a rejection changes the noise or the divisor.
 
 Privacy: MECHANISM stage. Everything downstream (server optimizer, filters) sees only ``g_t``.
 References: McMahan et al. 2018, arXiv:1710.06963v3, Alg. 1 (DP-FedAvg with fixed denominator).
@@ -23,6 +28,39 @@ import torch
 
 from fedprivacy.privacy.clipping import flat_l2_clip_
 from fedprivacy.privacy.noise import GaussianNoise
+
+
+@dataclass(frozen=True)
+class SparseUpdate:
+    """A flat update of dimension ``dim`` that is zero outside ``indices`` (``None``: dense)."""
+
+    indices: torch.Tensor | None
+    values: torch.Tensor
+    dim: int
+
+    @classmethod
+    def dense(cls, vector: torch.Tensor) -> SparseUpdate:
+        return cls(None, vector.reshape(-1), vector.numel())
+
+    def is_well_formed(self, dim: int) -> bool:
+        """Right dimension; indices 1-D int64, strictly increasing, in ``[0, dim)``, one value each."""
+        if self.dim != dim or self.values.dim() != 1:
+            return False
+        if self.indices is None:
+            return self.values.numel() == dim
+        idx = self.indices
+        if idx.dtype != torch.int64 or idx.dim() != 1 or idx.numel() != self.values.numel():
+            return False
+        if idx.numel() == 0:
+            return True
+        return bool(idx[0] >= 0) and bool(idx[-1] < dim) and bool((idx[1:] > idx[:-1]).all())
+
+    def to_dense(self) -> torch.Tensor:
+        if self.indices is None:
+            return self.values
+        out = torch.zeros(self.dim, dtype=self.values.dtype, device=self.values.device)
+        out[self.indices] = self.values
+        return out
 
 
 @dataclass
@@ -61,23 +99,27 @@ class PrivateSum:
         self._sum = torch.zeros(dim, dtype=torch.float32, device=device)
         self.stats = AggregationStats()
 
-    def add_(self, update: torch.Tensor | None) -> bool:
-        """Clip ``update`` (flat; modified in place) and add it; return whether it was accepted.
+    def add_(self, update: SparseUpdate | None) -> bool:
+        """Clip ``update`` (its values are modified in place) and add it; return whether it was accepted.
 
         ``None`` stands for a reply that failed or carried the wrong arrays.
         """
         self.stats.received += 1
-        if update is None or update.shape != self._sum.shape:
+        if update is None or not update.is_well_formed(self._sum.numel()):
             self.stats.rejected_malformed += 1
             return False
-        if not bool(torch.isfinite(update).all()):
+        if not bool(torch.isfinite(update.values).all()):
             self.stats.rejected_nonfinite += 1
             return False
-        norm = flat_l2_clip_(update, self.clip_norm)
+        norm = flat_l2_clip_(update.values, self.clip_norm)
         self.stats.norms.append(norm)
         self.stats.clipped += norm > self.clip_norm
         self.stats.accepted += 1
-        self._sum.add_(update.to(self._sum.device))
+        values = update.values.to(self._sum.device)
+        if update.indices is None:
+            self._sum.add_(values)
+        else:
+            self._sum.index_add_(0, update.indices.to(self._sum.device), values)
         return True
 
     def release(self, noise: GaussianNoise) -> torch.Tensor:

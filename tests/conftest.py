@@ -1,0 +1,32 @@
+"""Shared fixtures: one small synthetic StackOverflow data set per test session."""
+
+from pathlib import Path
+
+import pytest
+
+from fedprivacy.config import RunConfig, build_config
+from fedprivacy.data.synthetic import generate
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> Path:
+    """40 training users in TFF's SQLite format (generated once per session)."""
+    out = tmp_path_factory.mktemp("so40")
+    generate(out, num_clients=40, seed=1)
+    return out
+
+
+@pytest.fixture
+def small_config(small_data, tmp_path):
+    """A fast config on the small data: 2,000-word vocabulary, 50 tags (100,050 parameters)."""
+
+    def make(*overrides: str) -> RunConfig:
+        base = {
+            "rounds": 2, "eval_every": 1, "output_dir": str(tmp_path / "run"),
+            "data": {"path": str(small_data), "generate_if_missing": False, "vocab_size": 2000, "num_tags": 50},
+            "client": {"epochs": 1, "batch_size": 10, "lr": 5.0},
+            "privacy": {"clip_norm": 1.0, "noise_multiplier": 0.5, "expected_cohort": 8, "accountants": ["rdp", "pld"]},
+        }
+        return build_config(base, list(overrides))
+
+    return make

@@ -1,0 +1,211 @@
+"""DP-FedAvg end to end through the Flower apps on the in-process engine.
+
+Covers the issue's acceptance properties and ARCHITECTURE invariants 1-5, 8, 11, 12 at the
+level a user meets them: the model files a run writes.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+from torch.nn.utils import parameters_to_vector
+
+from fedprivacy.client.trainer import client_generator, local_sgd
+from fedprivacy.engines.inprocess import run_inprocess
+from fedprivacy.fl.client_app import build_client_app
+from fedprivacy.fl.server_app import build_server_app, discover_nodes
+from fedprivacy.outputs import RunExistsError
+from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
+from fedprivacy.privacy.sampling import make_sampler
+from fedprivacy.run import run
+from fedprivacy.task import load_task
+
+
+def _flat(path) -> torch.Tensor:
+    state = torch.load(path)
+    task_model_order = ["bias", "embedding.weight"]  # named_parameters() order
+    return torch.cat([state[k].reshape(-1) for k in task_model_order])
+
+
+def _model_change(cfg) -> torch.Tensor:
+    return _flat(cfg.output_dir / "final_model.pt") - _flat(cfg.output_dir / "initial_model.pt")
+
+
+def _run_with_mods(cfg, mods):
+    population = load_task(cfg.data).population
+    run_inprocess(build_server_app(cfg), build_client_app(cfg, mods=mods), population)
+
+
+def test_no_noise_and_huge_clip_is_plain_unweighted_fedavg(small_config):
+    cfg = small_config("rounds=1", "privacy.noise_multiplier=0", "privacy.clip_norm=1e9",
+                       "privacy.sampling=fixed", "privacy.accountants=[rdp]")
+    run(cfg)
+    task = load_task(cfg.data)
+    cohort = make_sampler("fixed", task.population, 8, cfg.seed).sample()
+    model = task.new_model()
+    deltas = [local_sgd(model, *task.client_data(int(i)), epochs=1, batch_size=10, lr=5.0,
+                        rng=client_generator(cfg.seed, 1, int(i))).update.to_dense() for i in cohort]
+    expected = torch.stack(deltas).mean(0)  # unweighted mean over the cohort
+    assert expected.abs().max() > 0
+    assert torch.allclose(_model_change(cfg), expected, atol=1e-6)
+
+
+def test_one_round_with_zero_client_lr_moves_the_model_by_noise_of_std_zC_over_m(small_config):
+    z, clip, m = 2.0, 0.5, 8
+    cfg = small_config("rounds=1", "client.lr=0", f"privacy.noise_multiplier={z}", f"privacy.clip_norm={clip}",
+                       f"privacy.expected_cohort={m}")
+    summary = run(cfg)
+    change = _model_change(cfg)
+    assert change.numel() == 100_050
+    # 100,050 i.i.d. draws: the std estimate's relative s.e. is 1/sqrt(2d) ~ 0.22%
+    assert float(change.std()) == pytest.approx(z * clip / m, rel=0.01)
+    assert abs(float(change.mean())) < 5 * z * clip / m / np.sqrt(change.numel())
+    assert summary["cohort_accepted"] == summary["cohort_sampled"]  # zero updates still count
+
+
+def _corrupt(kind: str, partitions: set[int]):
+    def mod(msg, context, call_next):
+        partition = int(context.node_config["partition-id"])
+        if msg.metadata.message_type != "train":
+            return call_next(msg, context)
+        if partition in partitions and kind == "raise":
+            raise RuntimeError("device crashed")
+        reply = call_next(msg, context)
+        if partition in partitions:
+            values = reply.content["arrays"]["values"].numpy()
+            fill = {"nan": np.nan, "inf": np.inf, "zero": 0.0}[kind]
+            reply.content["arrays"] = ArrayRecord({"indices": reply.content["arrays"]["indices"],
+                                                   "values": Array(np.full_like(values, fill))})
+        return reply
+
+    return mod
+
+
+def test_failed_nan_and_inf_clients_contribute_zero_without_changing_noise(small_config, tmp_path):
+    # which clients are in round 1's cohort is fixed by the seed: corrupt two of them
+    cfg0 = small_config("rounds=2")
+    population = load_task(cfg0.data).population
+    bad = set(make_sampler("poisson", population, 8, cfg0.seed).sample()[:2].tolist())
+    assert bad
+    finals = {}
+    for kind in ("zero", "nan", "inf", "raise"):
+        cfg = small_config("rounds=2", f"output_dir={tmp_path / kind}")
+        _run_with_mods(cfg, [_corrupt(kind, bad)])
+        finals[kind] = _flat(cfg.output_dir / "final_model.pt")
+        rows = json.loads((cfg.output_dir / "summary.json").read_text())
+        assert rows["rounds_completed"] == 2
+    for kind in ("nan", "inf", "raise"):
+        assert torch.equal(finals[kind], finals["zero"]), kind  # same noise, same divisor, zero contribution
+    honest = small_config("rounds=2", f"output_dir={tmp_path / 'honest'}")
+    run(honest)
+    assert not torch.equal(_flat(honest.output_dir / "final_model.pt"), finals["zero"])
+
+
+def test_metrics_report_rejections_and_dropouts(small_config, tmp_path):
+    cfg = small_config("rounds=1")
+    population = load_task(cfg.data).population
+    cohort = make_sampler("poisson", population, 8, cfg.seed).sample().tolist()
+    _run_with_mods(cfg, [_corrupt("nan", {cohort[0]}), _corrupt("raise", {cohort[1]})])
+    import pandas as pd
+
+    row = pd.read_csv(cfg.output_dir / "metrics.csv").iloc[0]
+    assert row["rejected_nonfinite"] == 1
+    assert row["cohort_received"] == len(cohort)
+    assert row["cohort_accepted"] == len(cohort) - 2
+
+
+def test_budget_stops_before_the_round_that_would_exceed_it(small_config):
+    probe = small_config("rounds=6")
+    run(probe)
+    eps = json.loads((probe.output_dir / "summary.json").read_text())
+    import pandas as pd
+
+    per_round = pd.read_csv(probe.output_dir / "metrics.csv")["epsilon_rdp"].tolist()
+    target = (per_round[2] + per_round[3]) / 2  # between round 3 and round 4
+    cfg = small_config("rounds=6", f"privacy.target_epsilon={target}", f"output_dir={probe.output_dir}_budget")
+    summary = run(cfg)
+    assert summary["stop_reason"] == "privacy_budget"
+    assert summary["rounds_completed"] == 3
+    assert summary["epsilon_rdp"] <= target < per_round[3]
+    assert eps["rounds_completed"] == 6
+
+
+def test_resume_continues_bit_exactly_and_keeps_the_accountant(small_config, tmp_path):
+    full = small_config("rounds=4", f"output_dir={tmp_path / 'full'}")
+    run(full)
+    part = small_config("rounds=2", f"output_dir={tmp_path / 'part'}")
+    run(part)
+    with pytest.raises(RunExistsError):
+        run(part)  # never silently overwrites a run
+    resumed = small_config("rounds=4", f"output_dir={tmp_path / 'part'}")
+    summary = run(resumed, resume=True)
+    assert torch.equal(_flat(tmp_path / "part" / "final_model.pt"), _flat(tmp_path / "full" / "final_model.pt"))
+    ledger = PrivacyLedger.from_state_dict(torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)["ledger"])
+    assert ledger.rounds == 4  # the 2 rounds before the restart are still accounted
+    full_summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["epsilon_rdp"] == full_summary["epsilon_rdp"]
+    assert summary["epsilon_rdp"] == pytest.approx(epsilon(ledger, summary["delta"], "rdp"))
+
+
+def test_ledger_records_the_event_matching_the_sampler(small_config, tmp_path):
+    for sampling, accountants in (("poisson", "[rdp,pld]"), ("fixed", "[rdp]")):
+        cfg = small_config("rounds=1", f"privacy.sampling={sampling}", f"privacy.accountants={accountants}",
+                           f"output_dir={tmp_path / sampling}")
+        summary = run(cfg)
+        state = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)
+        (entry,) = PrivacyLedger.from_state_dict(state["ledger"]).entries
+        rnd = entry[0]
+        assert rnd.sampling == sampling
+        assert rnd.population == summary["population"] == 40  # the FULL population
+        assert rnd.expected_cohort == 8
+        assert summary["delta"] == pytest.approx(1 / 40)
+
+
+def test_run_folder_holds_every_output(small_config):
+    cfg = small_config()
+    run(cfg)
+    names = {p.name for p in cfg.output_dir.iterdir()}
+    assert {"config.yaml", "metrics.csv", "initial_model.pt", "final_model.pt", "checkpoint.pt",
+            "metrics.png", "summary.json"} <= names
+    import pandas as pd
+
+    df = pd.read_csv(cfg.output_dir / "metrics.csv")
+    assert list(df["round"]) == [1, 2]
+    assert {"train_loss", "test_accuracy", "epsilon_rdp", "epsilon_pld", "seconds"} <= set(df.columns)
+    assert (df["epsilon_rdp"].diff().dropna() > 0).all()
+
+
+class _SlowRegistrationGrid:
+    """Nodes appear over time, as on a real SuperLink."""
+
+    def __init__(self, inner, visible_after):
+        self.inner, self.calls, self.visible_after = inner, 0, visible_after
+
+    def get_node_ids(self):
+        self.calls += 1
+        ids = list(self.inner.get_node_ids())
+        return ids if self.calls >= self.visible_after else ids[: len(ids) // 3]
+
+    def send_and_receive(self, messages, timeout=None):
+        return self.inner.send_and_receive(messages, timeout=timeout)
+
+
+def test_node_discovery_waits_for_the_full_population(small_config):
+    from fedprivacy.engines.inprocess import InProcessGrid
+
+    cfg = small_config()
+    grid = _SlowRegistrationGrid(InProcessGrid(build_client_app(cfg), 40), visible_after=4)
+    nodes = discover_nodes(grid, 40, timeout=5)
+    assert grid.calls >= 4 and len(set(nodes)) == 40
+    with pytest.raises(TimeoutError):
+        discover_nodes(_SlowRegistrationGrid(InProcessGrid(build_client_app(cfg), 40), visible_after=10**9), 40,
+                       timeout=0.2)
+
+
+def test_model_parameters_are_flattened_in_named_parameter_order(small_config):
+    model = load_task(small_config().data).new_model()
+    names = [n for n, _ in model.named_parameters()]
+    assert names == ["bias", "embedding.weight"]
+    assert parameters_to_vector(model.parameters()).numel() == 100_050
