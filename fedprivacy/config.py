@@ -45,9 +45,9 @@ class DataConfig(_Section):
 class ClientConfig(_Section):
     """Local training on each sampled client."""
 
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(100, ge=1)
-    lr: float = Field(0.5, ge=0.0)
+    epochs: int = Field(5, ge=1)
+    batch_size: int = Field(10, ge=1)
+    lr: float = Field(30.0, ge=0.0)
     """Client learning rate; 0 is valid (clients then return zero deltas)."""
 
 
@@ -55,14 +55,14 @@ class ServerConfig(_Section):
     """Server optimizer applied to the noised average (SGD with heavy-ball momentum)."""
 
     lr: float = Field(1.0, ge=0.0)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
 
 
 class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
-    clip_norm: float = Field(1.0, gt=0.0)
-    noise_multiplier: float = Field(0.3, ge=0.0)
+    clip_norm: float = Field(10.0, gt=0.0)
+    noise_multiplier: float = Field(1.0, ge=0.0)
     """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy)."""
     sampling: Literal["poisson", "fixed"] = "poisson"
     """poisson: each user joins independently with q = expected_cohort / population;
@@ -105,7 +105,7 @@ class RunConfig(_Section):
     """One federated training run."""
 
     seed: int = 0
-    rounds: int = Field(30, ge=1)
+    rounds: int = Field(40, ge=1)
     eval_every: int = Field(5, ge=1)
     engine: Literal["inprocess", "ray"] = "inprocess"
     device: str = "cpu"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary."""
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
+    started = time.time()
     ensure_data(cfg.data)
     population = load_task(cfg.data).population
     server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
@@ -32,6 +34,6 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
         run_ray(server_app, client_app, population, cfg.ray)
     summary_path = Path(cfg.output_dir) / "summary.json"
-    if not summary_path.exists():
+    if not summary_path.exists() or summary_path.stat().st_mtime < started:
         raise RuntimeError(f"the {cfg.engine} engine finished without writing {summary_path}; see the log above")
     return json.loads(summary_path.read_text())

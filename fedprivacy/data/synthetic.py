@@ -21,8 +21,8 @@ users post before 2018 (``train``) and about 60% of them also post in 2018
 (``test``). Examples per user are lognormal (median about 20, capped), word
 frequencies are Zipf-like over a 20,000-word vocabulary with stop-words at the
 top, and tags are Zipf-like over 1,000 tags with real names at the top. Each
-tag owns a set of mid-frequency topical words that are boosted in its posts,
-and each user has a few favourite tags, so tag prediction from the bag of
+tag owns a set of fairly frequent topical words (ranks 30-3,000, like "python",
+"def", "self" on the real site) that are boosted in its posts, and each user has a few favourite tags, so tag prediction from the bag of
 words is learnable and the data is non-IID.
 
 Generation streams user by user (each user has its own generator seeded from
@@ -76,9 +76,9 @@ VOCAB_SIZE = 20_000
 NUM_TAGS = 1_000
 _WORD_ZIPF = (2.7, 1.07)      # p(rank r) ∝ (r + 2.7)^-1.07, r = 1, 2, ...
 _TAG_ZIPF = (3.0, 1.0)
-_TOPIC_RANKS = (150, 12_000)  # topical words come from these frequency ranks
-_TOPIC_WORDS = 24             # topical words per tag
-_TOPIC_SHARE = (0.2, 0.5)     # share of topical words in (tokens, title)
+_TOPIC_RANKS = (30, 3_000)    # topical words come from these frequency ranks (inside the 10k vocabulary)
+_TOPIC_WORDS = 20             # topical words per tag
+_TOPIC_SHARE = (0.3, 0.5)     # share of topical words in (tokens, title)
 _TAGS_PER_POST = np.array([0.15, 0.40, 0.68, 0.87, 1.0])  # CDF of 1..5 tags per post
 _EXAMPLES_MEDIAN, _EXAMPLES_SIGMA, _EXAMPLES_CAP = 20.0, 1.25, 2_000
 _TOKENS_MEDIAN, _TOKENS_SIGMA, _TOKENS_CAP = 30.0, 0.8, 600
