@@ -82,11 +82,11 @@ class RunOutputs:
     def finish(self, summary: dict[str, Any]) -> None:
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         if self.rows:
-            plot_metrics(pd.DataFrame(self.rows), self.dir / "metrics.png")
+            plot_metrics(pd.DataFrame(self.rows), self.dir / "metrics.png", summary.get("majority_baseline_accuracy"))
 
 
-def plot_metrics(df: pd.DataFrame, path: Path) -> None:
-    """Test accuracy and epsilon (every accountant) against the round."""
+def plot_metrics(df: pd.DataFrame, path: Path, baseline: float | None = None) -> None:
+    """Test accuracy (with the majority-tag baseline) and epsilon (every accountant) against the round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,6 +95,9 @@ def plot_metrics(df: pd.DataFrame, path: Path) -> None:
     fig, (ax_acc, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
     acc = df.dropna(subset=["test_accuracy"]) if "test_accuracy" in df else df.iloc[0:0]
     ax_acc.plot(acc["round"], acc.get("test_accuracy", []), marker="o")
+    if baseline is not None:
+        ax_acc.axhline(baseline, linestyle="--", color="gray", label="majority tag")
+        ax_acc.legend()
     ax_acc.set(xlabel="round", ylabel="test accuracy", title="Test accuracy")
     for col in [c for c in df.columns if c.startswith("epsilon_")]:
         if df[col].notna().any():

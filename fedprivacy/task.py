@@ -58,6 +58,12 @@ class TagPredictionTask:
     def population(self) -> int:
         return self.train.num_clients
 
+    @property
+    def majority_baseline(self) -> float:
+        """Test accuracy of always predicting the most frequent training label."""
+        majority = np.bincount(self.train.labels, minlength=self.train.num_tags).argmax()
+        return float(np.mean(self.test_labels == majority)) if len(self.test_labels) else float("nan")
+
     def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
         return SparseLogisticRegression(self.train.vocab_size, self.train.num_tags).to(device)
 

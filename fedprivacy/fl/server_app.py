@@ -144,6 +144,7 @@ class DPFedAvgServer:
         self.outputs.save_checkpoint(self.state_dict())
         summary = {"rounds_completed": self.round, "stop_reason": stop_reason, "delta": self.delta,
                    "population": self.population, "engine": self.cfg.engine,
+                   "majority_baseline_accuracy": self.task.majority_baseline,
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
         self.outputs.finish(summary)
         return summary
@@ -199,8 +200,9 @@ class DPFedAvgServer:
         self.outputs.log_round(row)
         if self.round % self.cfg.checkpoint_every == 0:
             self.outputs.save_checkpoint(self.state_dict())
-        log.info("round %d: cohort %d, test acc %.4f, eps(%s) %.4g, %.2fs", self.round, len(cohort),
-                 row["test_accuracy"], p.budget_accountant, row[f"epsilon_{p.budget_accountant}"], row["seconds"])
+        log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", self.round, len(cohort), p.budget_accountant,
+                 row[f"epsilon_{p.budget_accountant}"], row["seconds"],
+                 f", test accuracy {row['test_accuracy']:.4f}" if "test_accuracy" in row and row["test_accuracy"] == row["test_accuracy"] else "")
 
 
 def build_server_app(cfg: RunConfig | None = None, resume: bool = False) -> ServerApp:
