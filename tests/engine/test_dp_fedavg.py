@@ -209,3 +209,15 @@ def test_model_parameters_are_flattened_in_named_parameter_order(small_config):
     names = [n for n, _ in model.named_parameters()]
     assert names == ["bias", "embedding.weight"]
     assert parameters_to_vector(model.parameters()).numel() == 100_050
+
+
+def test_server_momentum_state_is_built_from_the_noised_release_only(small_config):
+    # clients send zero deltas, so everything the optimizer sees is the mechanism's noise:
+    # its velocity after round 1 must equal the released g = noise / m, and the model moved by lr * g
+    z, clip, m, lr = 1.5, 2.0, 8, 0.7
+    cfg = small_config("rounds=1", "client.lr=0", f"privacy.noise_multiplier={z}", f"privacy.clip_norm={clip}",
+                       f"privacy.expected_cohort={m}", "server.momentum=0.9", f"server.lr={lr}")
+    run(cfg)
+    velocity = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["optimizer"]["velocity"]
+    assert float(velocity.std()) == pytest.approx(z * clip / m, rel=0.01)
+    assert torch.allclose(_model_change(cfg), lr * velocity, atol=1e-7)
