@@ -51,11 +51,28 @@ class ClientConfig(_Section):
     """Client learning rate; 0 is valid (clients then return zero deltas)."""
 
 
+class DiskConfig(_Section):
+    """Server-side DiSK (Zhang et al. 2024, arXiv:2410.03883; notes/disk.md §2.2)."""
+
+    kappa: float = Field(0.7, gt=0.0, le=1.0)
+    """Filter gain: g~ <- (1 - kappa) g~ + kappa g. kappa = 1 is the base optimizer."""
+    gamma: float = 0.5
+    """Lookahead step along the previous model change; non-zero (-1 gives STORM)."""
+
+    @model_validator(mode="after")
+    def _gamma_nonzero(self) -> DiskConfig:
+        if self.gamma == 0.0:
+            raise ValueError("server.disk.gamma must be non-zero")
+        return self
+
+
 class ServerConfig(_Section):
     """Server optimizer applied to the noised average (SGD with heavy-ball momentum)."""
 
     lr: float = Field(1.0, ge=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    disk: DiskConfig | None = None
+    """Enable server-side DiSK filtering of the released pseudo-gradients."""
 
 
 class PrivacyConfig(_Section):

@@ -73,16 +73,23 @@ class FlatView:
 
 
 def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
-              batch_size: int, lr: float, rng: np.random.Generator) -> LocalResult:
-    """Train from the model's current weights; return ``x_local - x_start`` and restore ``x_start``.
+              batch_size: int, lr: float, rng: np.random.Generator,
+              start_from: torch.Tensor | None = None) -> LocalResult:
+    """Train from the model's weights (or from ``start_from``); return ``x_local - x_start``.
 
+    The model holds ``x_t`` before and after the call. ``start_from`` (a full flat vector, e.g.
+    DiSK's lookahead ``x_t + gamma d``) replaces the starting point on the support; this is exact
+    because ``update_support`` lists every coordinate the loss on these rows reads or changes.
     The loss is the mean cross-entropy over each batch. With ``lr = 0`` the delta is exactly zero.
     """
     view = FlatView(model)
     device = view.params[0].device
     support = (model.update_support(features) if hasattr(model, "update_support")
                else torch.arange(view.numel, device=device))
-    start = view.gather(support)
+    origin = view.gather(support)
+    start = origin if start_from is None else start_from[support].to(origin.dtype)
+    if start_from is not None:
+        view.scatter_(support, start)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     n = features.shape[0]
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
@@ -100,7 +107,7 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, 
                 loss_sum += float(loss.detach()) * len(idx)
         values = view.gather(support).sub_(start)
     finally:  # the working model is x_t again, even if training failed
-        view.scatter_(support, start)
+        view.scatter_(support, origin)
     return LocalResult(update=SparseUpdate(support, values, view.numel),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
 

@@ -4,7 +4,9 @@ Message contract (``message_type``):
 
 - ``query``: reply ``{"node": ConfigRecord({"partition-id": i})}`` so the server can map its
   population onto node ids before round 1.
-- ``train``: content ``{"arrays": x_t, "config": {"server-round": t}}``; reply
+- ``train``: content ``{"arrays": x_t, "config": {"server-round": t}}`` (server DiSK adds
+  ``"lookahead": x_t + gamma d`` and ``config["disk-c"]``: the client then trains from both points
+  with the same data order and sends ``c Delta(lookahead) + (1 - c) Delta(x_t)``); reply
   ``{"arrays": Delta_i = x_local - x_t (flat COO: indices, values), "metrics": {"train_loss",
   "num-examples"}}``.
   The client does not clip: the server clips what it receives (central DP; invariant 1 holds
@@ -24,6 +26,7 @@ from torch.nn.utils import vector_to_parameters
 
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig
+from fedprivacy.optim.disk import disk_combination
 from fedprivacy.fl.records import record_to_vector, update_to_record
 from fedprivacy.fl.server_app import config_from_context
 from fedprivacy.task import load_task
@@ -54,10 +57,27 @@ def _load_broadcast(model: torch.nn.Module, record: ArrayRecord, device: str) ->
     _loaded[model] = record
 
 
+class _LastDecoded:
+    """Single-entry cache: decode a record shared by all messages of a round once per process."""
+
+    def __init__(self) -> None:
+        self._record: ArrayRecord | None = None
+        self._vector: torch.Tensor | None = None
+
+    def vector(self, record: ArrayRecord, model: torch.nn.Module, device: str) -> torch.Tensor:
+        if record is not self._record:
+            vector = record_to_vector(record, model, device)
+            if vector is None:
+                raise ValueError("lookahead arrays do not match the model's parameters")
+            self._record, self._vector = record, vector
+        return self._vector
+
+
 def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None) -> ClientApp:
     """A ClientApp bound to ``cfg`` (or reading it from Flower's run config when ``cfg`` is None),
     with optional Flower mods (client-side middleware) wrapped around it."""
     app = ClientApp(mods=mods)
+    lookaheads = _LastDecoded()
     def run_config(context: Context) -> RunConfig:
         return cfg if cfg is not None else config_from_context(context)[0]
 
@@ -74,10 +94,22 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
         features, labels = load_task(c.data).client_data(partition)
-        result = local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
-                           lr=c.client.lr, rng=client_generator(c.seed, server_round, partition))
+
+        def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
+            return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
+                             lr=c.client.lr, rng=client_generator(c.seed, server_round, partition), start_from=start)
+
+        lookahead = msg.content.array_records.get("lookahead")
+        if lookahead is None:
+            result = train_from(None)
+            update = result.update
+        else:
+            coefficient = float(msg.content["config"]["disk-c"])
+            ahead = train_from(lookaheads.vector(lookahead, model, c.device))
+            result = ahead if coefficient == 1.0 else train_from(None)
+            update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
         content = RecordDict({
-            "arrays": update_to_record(result.update),
+            "arrays": update_to_record(update),
             "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples}),
         })
         return Message(content, reply_to=msg)

@@ -9,7 +9,8 @@ Per round ``t``:
 4. **aggregate** the replies as they stream in: flat L2 clip, unweighted sum; failed, missing,
    malformed or non-finite replies contribute zero (invariants 1, 2, 11, 12);
 5. **privatize**: one dense Gaussian draw on the sum, divide by the EXPECTED cohort (invariant 3);
-6. **server step**: SGD with momentum on the released ``g_t`` only (invariant 6);
+6. **server step** on the released ``g_t`` only (invariant 6): optionally DiSK's filter first
+   (its lookahead model is broadcast in step 3), then the server optimizer;
 7. **account**: compose the round's event into the ledger; epsilon under every accountant;
 8. **evaluate** every ``eval_every`` rounds, **checkpoint** every ``checkpoint_every`` rounds.
 
@@ -31,6 +32,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from fedprivacy.client.trainer import evaluate
 from fedprivacy.config import RunConfig, config_from_json, load_config
 from fedprivacy.fl.records import model_to_record, record_to_update
+from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.server_sgd import ServerSGD
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilons, would_exceed
@@ -93,6 +95,7 @@ class DPFedAvgServer:
         self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, cfg.seed)
         self.noise = GaussianNoise(cfg.seed, device=cfg.device, secure=p.secure_noise)
         self.optimizer = ServerSGD(cfg.server.lr, cfg.server.momentum)
+        self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
         self.ledger = PrivacyLedger()
         self.round = 0
         self.outputs = RunOutputs(cfg)
@@ -106,6 +109,7 @@ class DPFedAvgServer:
             "sampler": self.sampler.state_dict(),
             "noise": self.noise.state_dict(),
             "ledger": self.ledger.state_dict(),
+            "disk": self.disk.state_dict() if self.disk else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -115,6 +119,8 @@ class DPFedAvgServer:
         self.sampler.load_state_dict(state["sampler"])
         self.noise.load_state_dict(state["noise"])
         self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
+        if self.disk:
+            self.disk.load_state_dict(state["disk"])
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
@@ -155,11 +161,15 @@ class DPFedAvgServer:
         cohort = self.sampler.sample()
         vector_to_parameters(self.params, self.model.parameters())
         broadcast = model_to_record(self.model)
-        round_config = ConfigRecord({"server-round": self.round})
+        content = {"arrays": broadcast, "config": ConfigRecord({"server-round": self.round})}
+        lookahead = self.disk.lookahead(self.params) if self.disk else None
+        if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
+            vector_to_parameters(lookahead, self.model.parameters())
+            content["lookahead"] = model_to_record(self.model)
+            content["config"] = ConfigRecord({"server-round": self.round, "disk-c": self.disk.c})
         expected = {nodes[i] for i in cohort}
         messages = [
-            Message(RecordDict({"arrays": broadcast, "config": round_config}), dst_node_id=nodes[i],
-                    message_type="train", group_id=str(self.round))
+            Message(RecordDict(content), dst_node_id=nodes[i], message_type="train", group_id=str(self.round))
             for i in cohort
         ]
         p = self.cfg.privacy
@@ -183,7 +193,12 @@ class DPFedAvgServer:
                 log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
         dropped = len(expected)
         g = agg.release(self.noise)
-        self.optimizer.step_(self.params, g)
+        if self.disk:  # post-processing of the released g: filter, base step, record the actual move
+            before = self.params.clone()
+            self.optimizer.step_(self.params, self.disk.filter_(g))
+            self.disk.record_(self.params - before)
+        else:
+            self.optimizer.step_(self.params, g)
         self.ledger.compose(event)
         row: dict[str, float] = {"round": self.round,
                                  "train_loss": sum(losses) / len(losses) if losses else float("nan"),

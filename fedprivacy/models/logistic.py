@@ -37,10 +37,10 @@ class SparseLogisticRegression(nn.Module):
         return self.embedding(indices, offsets, per_sample_weights=weights) + self.bias
 
     def update_support(self, x: sp.csr_matrix) -> torch.Tensor:
-        """Flat indices (``parameters_to_vector`` order) that plain SGD on rows ``x`` can change.
+        """Flat indices (``parameters_to_vector`` order) that training on rows ``x`` reads or changes.
 
-        Only the weight rows of words present in ``x`` receive gradient (the sparse gradient is
-        exactly zero elsewhere), plus the bias. Sorted, unique.
+        The logits of ``x`` read only the weight rows of words present in ``x`` and the bias, and
+        plain SGD changes only those (the sparse gradient is exactly zero elsewhere). Sorted, unique.
         """
         offsets, at = {}, 0
         for name, p in self.named_parameters():  # own ``bias`` comes before ``embedding.weight``
