@@ -66,13 +66,62 @@ class DiskConfig(_Section):
         return self
 
 
-class ServerConfig(_Section):
-    """Server optimizer applied to the noised average (SGD with heavy-ball momentum)."""
+class MicroAdamConfig(_Section):
+    """Server DP-MicroAdam options (arXiv:2511.20509; notes/microadam.md §3 Option C)."""
 
+    density: float = Field(0.01, gt=0.0, le=1.0)
+    ring_size: int = Field(10, ge=1)
+    bucket_size: int = Field(100_000, ge=1)
+    stochastic_rounding: bool = False
+    per_tensor: bool = False
+    """Top-k per parameter tensor (the paper code's choice) instead of over the whole vector."""
+
+
+_OPTIONAL_SERVER_SETTINGS = ("momentum", "beta1", "beta2", "tau", "bias_correction", "gamma_prime", "microadam")
+
+
+class ServerConfig(_Section):
+    """Server optimizer applied to the noised average ``g_t`` (post-processing), optionally after DiSK.
+
+    A setting the chosen optimizer does not read is an error when given explicitly (e.g.
+    ``momentum`` with ``adam``, whose momentum is ``beta1``). Unset adaptive settings take each
+    optimizer's paper defaults (see ``fedprivacy.optim.factory``).
+    """
+
+    optimizer: Literal["sgd", "adam", "yogi", "adagrad", "adambc", "microadam"] = "sgd"
     lr: float = Field(1.0, ge=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Heavy-ball momentum (sgd only)."""
+    beta1: float | None = Field(None, ge=0.0, lt=1.0)
+    beta2: float | None = Field(None, ge=0.0, lt=1.0)
+    tau: float | None = Field(None, gt=0.0)
+    """Adaptivity outside the square root (adam, yogi, adagrad; microadam's eps)."""
+    bias_correction: bool | None = None
+    """Adam-style bias correction (adam, yogi: off in Reddi et al.; adambc: its corrected-V variant)."""
+    gamma_prime: float | None = Field(None, gt=0.0)
+    """DP-FedAdamBC's floor under ``v_hat - Phi`` (default: 0.01 * Phi, Phi = (z C / m)^2)."""
+    microadam: MicroAdamConfig | None = None
     disk: DiskConfig | None = None
     """Enable server-side DiSK filtering of the released pseudo-gradients."""
+
+    def explicit_settings(self) -> set[str]:
+        """The optimizer settings given explicitly (non-None, or set in the config)."""
+        return {k for k in _OPTIONAL_SERVER_SETTINGS
+                if (k in self.model_fields_set and getattr(self, k) is not None)
+                or (k != "momentum" and getattr(self, k) is not None)}
+
+    @model_validator(mode="after")
+    def _settings_apply(self) -> ServerConfig:
+        from fedprivacy.optim.factory import check_settings
+
+        given = self.explicit_settings()
+        if self.optimizer == "adambc":
+            given |= {"gamma_prime", "phi"}  # both derived when unset
+        try:
+            check_settings(self.optimizer, given)
+        except ValueError as err:
+            raise ValueError(f"server.optimizer={self.optimizer!r}: {err}") from None
+        return self
 
 
 class PrivacyConfig(_Section):

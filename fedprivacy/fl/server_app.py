@@ -30,10 +30,11 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.trainer import evaluate
-from fedprivacy.config import RunConfig, config_from_json, load_config
+from fedprivacy.config import MicroAdamConfig, RunConfig, config_from_json, load_config
 from fedprivacy.fl.records import model_to_record, record_to_update
 from fedprivacy.optim.disk import DiskFilter
-from fedprivacy.optim.server_sgd import ServerSGD
+from fedprivacy.optim.adambc import dp_noise_variance
+from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilons, would_exceed
 from fedprivacy.privacy.aggregation import PrivateSum
@@ -81,6 +82,26 @@ def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_
     return [by_partition[p] for p in range(population)]
 
 
+def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> ServerOptimizer:
+    """The configured server optimizer; DP-FedAdamBC's Phi is derived from the mechanism's noise."""
+    s, p = cfg.server, cfg.privacy
+    settings = {k: getattr(s, k) for k in s.explicit_settings()}
+    if s.optimizer == "sgd":
+        settings["momentum"] = s.momentum
+    if s.optimizer == "adambc":
+        # Phi = (z C / m)^2: the per-coordinate variance of the noise in g_t (notes/adambc.md §5.1)
+        settings["phi"] = dp_noise_variance(p.noise_multiplier, p.clip_norm, p.expected_cohort)
+        settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
+    if s.optimizer == "microadam":
+        m = s.microadam or MicroAdamConfig()
+        settings["microadam"] = {
+            "density": m.density, "ring_size": m.ring_size, "bucket_size": m.bucket_size,
+            "stochastic_rounding": m.stochastic_rounding, "seed": cfg.seed, "device": cfg.device,
+            "per_tensor_sizes": [q.numel() for q in model.parameters()] if m.per_tensor else None,
+        }
+    return make_server_optimizer(s.optimizer, lr=s.lr, **settings)
+
+
 class DPFedAvgServer:
     """Holds the server's state and runs the rounds against a Flower ``Grid``."""
 
@@ -94,7 +115,7 @@ class DPFedAvgServer:
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
         self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, cfg.seed)
         self.noise = GaussianNoise(cfg.seed, device=cfg.device, secure=p.secure_noise)
-        self.optimizer = ServerSGD(cfg.server.lr, cfg.server.momentum)
+        self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
         self.ledger = PrivacyLedger()
         self.round = 0
@@ -125,6 +146,14 @@ class DPFedAvgServer:
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
         return self.model.state_dict()
+
+    def _downlink_bytes(self, with_lookahead: bool) -> int:
+        """Bytes a client holding ``x_{t-1}`` needs for this round's broadcast: under DP-MicroAdam the
+        sparse change ``x_t - x_{t-1}`` (int32 index + float32 value per coordinate), else the dense
+        float32 model; plus DiSK's dense lookahead when one is sent."""
+        sparse = getattr(self.optimizer, "downlink_bytes", None)
+        model = sparse() if sparse is not None and self.round > 1 else 4 * self.params.numel()
+        return model + (4 * self.params.numel() if with_lookahead else 0)
 
     # -- rounds -----------------------------------------------------------------------------
     def run(self, grid: Grid, resume: bool = False) -> dict[str, Any]:
@@ -167,6 +196,7 @@ class DPFedAvgServer:
             vector_to_parameters(lookahead, self.model.parameters())
             content["lookahead"] = model_to_record(self.model)
             content["config"] = ConfigRecord({"server-round": self.round, "disk-c": self.disk.c})
+        downlink = self._downlink_bytes(lookahead is not None)  # before this round's step changes the model
         expected = {nodes[i] for i in cohort}
         messages = [
             Message(RecordDict(content), dst_node_id=nodes[i], message_type="train", group_id=str(self.round))
@@ -209,6 +239,7 @@ class DPFedAvgServer:
             vector_to_parameters(self.params, self.model.parameters())
             row.update(evaluate(self.model, self.task.test_features, self.task.test_labels))
         row.update(agg.stats.as_metrics())
+        row["downlink_bytes_per_client"] = float(downlink)
         row["cohort_sampled"] = float(len(cohort))
         row["cohort_dropped"] = float(dropped)
         row["seconds"] = time.perf_counter() - t0

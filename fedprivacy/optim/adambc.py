@@ -1,0 +1,132 @@
+r"""DP-FedAdamBC: server Adam with the known DP bias ``Phi`` removed from the second moment.
+
+The noised average ``g_t = (sum_i clip(Delta_i) + N(0, z^2 C^2 I)) / m`` carries per-coordinate noise
+of variance ``Phi``; squared, that noise adds ``Phi`` to the bias-corrected second moment in
+expectation, so plain DP-Adam divides by ``sqrt(v_hat_clean + Phi)`` and, when ``Phi`` dominates,
+behaves like SGD with momentum (``notes/adambc.md`` §2.2). With ``m_0 = v_0 = 0``:
+
+.. math::
+    \Phi &= \Big(\frac{z\,C}{m}\Big)^2, \qquad
+    m_t = \beta_1 m_{t-1} + (1-\beta_1)\, g_t, \qquad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2)\, g_t^2 \\
+    \hat m_t &= \frac{m_t}{1-\beta_1^t}, \qquad \hat v_t = \frac{v_t}{1-\beta_2^t}, \qquad
+    \mathbb E[\hat v_t] = \hat v_t^{\,c} + \Phi, \qquad
+    \mathbb E[v_t] = v_t^{\,c} + (1-\beta_2^t)\,\Phi \\
+    x_{t+1} &= x_t + \eta\, \frac{\hat m_t}{\sqrt{\max(\hat v_t - \Phi,\ \gamma')}}
+        && \text{(corrected\_v = True: paper Eq. 4)} \\
+    x_{t+1} &= x_t + \eta\, \frac{m_t}{\sqrt{\max\big(v_t - (1-\beta_2^t)\Phi,\ \gamma'\big)}}
+        && \text{(corrected\_v = False)}
+
+Symbols: ``lr`` = η, ``beta1`` = β₁, ``beta2`` = β₂, ``gamma_prime`` = γ′, ``phi`` = Φ (from
+:func:`dp_noise_variance`: ``noise_multiplier`` = z, ``clip_norm`` = C, ``expected_cohort`` = m);
+``t`` = the optimizer's own step count (from 1, held in the state); ``v^c`` = the moment the clean
+(un-noised) averages would give. All operations are elementwise. Order: bias-correct, subtract
+Φ, ``max(., gamma')``, square root, divide; there is NO additive epsilon (γ′ replaces Adam's γ, and
+the denominator's floor is ``sqrt(gamma')``).
+
+Departures from the paper, each deliberate:
+
+* The paper is central DP-SGD (examples, batch ``B``, ``Phi = (sigma C / B)^2``) and has no
+  federated setting. Here clients replace examples and ``m`` is the EXPECTED cohort, the fixed
+  divisor of the mechanism, so ``Phi = (z C / m)^2`` is constant and public (``notes/adambc.md``
+  §5.1, derived there, not in the paper).
+* Sign: the paper descends ``theta - eta * Delta`` on gradients; here ``g`` is an average of
+  model deltas ``x_i - x``, so the server ADDS the step.
+* ``corrected_v=False`` is not in the paper: it is Reddi et al.'s un-corrected FedAdam moments
+  (neither ``m`` nor ``v`` divided by ``1 - beta^t``), whose noise bias is ``(1 - beta2^t) Phi``
+  (``notes/adambc.md`` §5.2 and §7 item 2). γ′ then floors the raw, un-corrected scale.
+* γ′ is constant. The authors' code has a ``gamma_decay`` option and App. G suggests a
+  decreasing schedule; neither is implemented.
+
+Not yet implemented (each needs pipeline hooks, not optimizer math): ``Phi`` for a divisor equal
+to the REALIZED cohort (a time-varying, bias-corrected EMA of ``(zC/m_t)^2``; this pipeline always
+divides by the expected cohort, so it does not arise today), and other noise placements (local
+DP, ``Phi = z_l^2 C^2 / m``; sample-level DP inside clients; weighted aggregation). Distributed
+noise (each client adds ``N(0, z^2 C^2 / m)``) gives the same ``Phi`` as central noise.
+
+Precision: ``v_hat - Phi`` is a difference of nearly equal numbers when noise dominates; state
+has the dtype of ``params`` and must be float32 or wider (bf16/fp16 destroy it, notes §7 item 5).
+
+Privacy: POST stage. ``Phi`` and γ′ are public (config only, never estimated from data); the
+moments see only the released ``g_t`` (invariants 3, 6), so ε is that of DP-FedAvg.
+
+References:
+    Tang, Shpilevskiy & Lécuyer 2024, "DP-AdamBC: Your DP-Adam Is Actually DP-SGD (Unless You
+    Apply Bias Correction)", AAAI; arXiv:2312.14334v1, Eq. (2) (bias), Eq. (4) and Alg. 1 (update).
+    Reddi et al. 2021, arXiv:2003.00295v5, Alg. 2 (server Adam on pseudo-gradients).
+    Kingma & Ba 2015, arXiv:1412.6980v9, Alg. 1 (bias correction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedprivacy.optim.fedopt import AdaptiveServerOptimizer, adam_second_moment_, check_decay
+
+
+def dp_noise_variance(noise_multiplier: float, clip_norm: float, expected_cohort: float) -> float:
+    r"""``Phi = (noise_multiplier * clip_norm / expected_cohort)^2``: the per-coordinate noise variance of ``g``.
+
+    .. math:: \Phi = \big(z\,C / m\big)^2
+
+    Args:
+        noise_multiplier: z = noise std / clip_norm on the SUM of clipped updates (>= 0).
+        clip_norm: C, the flat L2 clip norm (> 0).
+        expected_cohort: m, the fixed divisor of the sum (> 0).
+
+    Returns:
+        Φ in the units of ``g`` squared; 0 when ``noise_multiplier`` is 0.
+
+    Raises:
+        ValueError: on a negative ``noise_multiplier`` or a non-positive ``clip_norm`` or
+            ``expected_cohort``.
+    """
+    if noise_multiplier < 0.0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    if not clip_norm > 0.0:
+        raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+    if not expected_cohort > 0.0:
+        raise ValueError(f"expected_cohort must be > 0, got {expected_cohort}")
+    return (noise_multiplier * clip_norm / expected_cohort) ** 2
+
+
+class ServerAdamBC(AdaptiveServerOptimizer):
+    """Server Adam with the DP bias Φ subtracted from the second moment (module docstring).
+
+    Args:
+        lr: server learning rate η.
+        phi: Φ >= 0 from :func:`dp_noise_variance`; 0 gives Adam with γ′ inside the root.
+        gamma_prime: γ′ > 0, the floor under ``v_hat - Phi``; tune it relative to Φ (the paper's
+            tuned values span about 0.004 Φ to 0.84 Φ, notes §1.6) and jointly with ``lr``.
+        beta1: β₁ in [0, 1).
+        beta2: β₂ in [0, 1); 0.999 as in the paper's experiments.
+        corrected_v: True = paper Eq. (4) on bias-corrected moments; False = un-corrected
+            moments with ``(1 - beta2^t) * Phi`` subtracted.
+
+    Raises:
+        ValueError: on an out-of-range argument.
+    """
+
+    def __init__(self, lr: float, *, phi: float, gamma_prime: float, beta1: float = 0.9, beta2: float = 0.999,
+                 corrected_v: bool = True) -> None:
+        # v_0 = 0 always: Eq. (2)'s bias (1 - beta2^t) Phi, and Adam's bias correction, assume it.
+        super().__init__(lr, beta1=beta1, bias_correction=corrected_v, initial_accumulator=0.0)
+        check_decay("beta2", beta2)
+        if phi < 0.0:
+            raise ValueError(f"phi must be >= 0, got {phi}")
+        if not gamma_prime > 0.0:
+            raise ValueError(f"gamma_prime must be > 0, got {gamma_prime}")
+        self.beta2 = beta2
+        self.phi = phi
+        self.gamma_prime = gamma_prime
+        self.corrected_v = corrected_v
+
+    def _accumulate_(self, v: torch.Tensor, g: torch.Tensor) -> None:
+        adam_second_moment_(v, g, self.beta2)
+
+    def _denominator(self, v: torch.Tensor, t: int) -> torch.Tensor:
+        if self.corrected_v:
+            shifted = (v / (1.0 - self.beta2**t)).sub_(self.phi)
+        else:
+            shifted = v - (1.0 - self.beta2**t) * self.phi
+        return shifted.clamp_(min=self.gamma_prime).sqrt_()
