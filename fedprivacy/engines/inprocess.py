@@ -37,6 +37,7 @@ class InProcessGrid(Grid):
         self.num_nodes = num_nodes
         self._run = Run.create_empty(run_id=run_id)
         self._contexts: dict[int, Context] = {}
+        self._pending: dict[str, Message] = {}
 
     # -- Grid API ---------------------------------------------------------------------------
     def set_run(self, run: Run) -> None:
@@ -54,15 +55,22 @@ class InProcessGrid(Grid):
         return range(2, self.num_nodes + 2)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("the in-process grid delivers synchronously: use send_and_receive")
+        """Queue messages; their ClientApps run when the replies are pulled."""
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())  # as Flower's grids do on push
+            self._pending[msg.metadata.message_id] = msg
+            ids.append(msg.metadata.message_id)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("the in-process grid delivers synchronously: use send_and_receive")
+        """Run the ClientApps of the queued messages named and return their replies."""
+        return [self._deliver(self._pending.pop(i)) for i in list(message_ids) if i in self._pending]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
         """Deliver each message to its node's ClientApp and yield the reply (lazily, in order)."""
-        for msg in list(messages):
-            yield self._deliver(msg)
+        for message_id in self.push_messages(messages):
+            yield from self.pull_messages([message_id])
 
     # -- delivery ---------------------------------------------------------------------------
     def _context(self, node_id: int) -> Context:
@@ -78,7 +86,6 @@ class InProcessGrid(Grid):
         return self._contexts[node_id]
 
     def _deliver(self, msg: Message) -> Message:
-        msg.metadata.__dict__["_message_id"] = str(uuid4())  # as Flower's grids do on push
         try:
             return self.client_app(msg, self._context(msg.metadata.dst_node_id))
         except Exception as exc:  # a failing client is a dropout, never a crashed run

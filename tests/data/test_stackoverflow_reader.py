@@ -131,8 +131,7 @@ def test_unindexed_interleaved_file_and_client_without_rows(interleaved_db: Path
 def test_opens_read_only_and_creates_nothing(so_files: SyntheticFiles, tmp_path: Path) -> None:
     before = so_files.sqlite.read_bytes()
     neighbours = set(so_files.sqlite.parent.iterdir())
-    for _ in iter_client_examples(so_files.sqlite, "heldout"):
-        pass
+    list(iter_client_examples(so_files.sqlite, "heldout"))
     client_ids(so_files.sqlite, "train")
     assert so_files.sqlite.read_bytes() == before
     assert set(so_files.sqlite.parent.iterdir()) == neighbours
