@@ -124,6 +124,16 @@ class ServerConfig(_Section):
         return self
 
 
+class AdaptiveClipConfig(_Section):
+    """Adaptive clipping to a target quantile (Andrew et al. 2021); ``privacy.clip_norm`` is C_0."""
+
+    target_quantile: float = Field(0.5, gt=0.0, lt=1.0)
+    """Fraction of updates meant to be unclipped."""
+    learning_rate: float = Field(0.2, gt=0.0)
+    clipped_count_stddev: float | None = Field(None, gt=0.0)
+    """Noise std of the unclipped count; default expected_cohort / 20 (TFF)."""
+
+
 class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
@@ -144,6 +154,13 @@ class PrivacyConfig(_Section):
     """Stop before the round that would push epsilon above this."""
     secure_noise: bool = False
     """Seed the noise generator from the OS's cryptographic source instead of the run seed."""
+    adaptive_clipping: AdaptiveClipConfig | None = None
+
+    @property
+    def count_stddev(self) -> float:
+        """sigma_b of the adaptive clipping count (configured, or m / 20)."""
+        a = self.adaptive_clipping
+        return a.clipped_count_stddev if a and a.clipped_count_stddev else self.expected_cohort / 20.0
 
     @model_validator(mode="after")
     def _budget_accountant_is_computed(self) -> PrivacyConfig:
@@ -151,6 +168,11 @@ class PrivacyConfig(_Section):
             raise ValueError(
                 f"privacy.budget_accountant={self.budget_accountant!r} must be one of "
                 f"privacy.accountants={list(self.accountants)}"
+            )
+        if self.adaptive_clipping is not None and 0 < self.noise_multiplier and self.noise_multiplier >= 2 * self.count_stddev:
+            raise ValueError(
+                f"privacy.noise_multiplier={self.noise_multiplier} must be below 2 * adaptive_clipping."
+                f"clipped_count_stddev = {2 * self.count_stddev} (Andrew et al. Thm. 1)"
             )
         if self.sampling == "fixed" and set(self.accountants) != {"rdp"}:
             raise ValueError(
@@ -185,6 +207,15 @@ class RunConfig(_Section):
     server: ServerConfig = ServerConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _adambc_needs_a_fixed_phi(self) -> RunConfig:
+        if self.server.optimizer == "adambc" and self.privacy.adaptive_clipping is not None:
+            raise ValueError(
+                "server.optimizer='adambc' with privacy.adaptive_clipping: the noise variance Phi would change "
+                "every round, and a per-round Phi for DP-FedAdamBC is not implemented yet"
+            )
+        return self
 
     def to_json(self) -> str:
         """Serialise (round-trips through :func:`config_from_json`)."""

@@ -37,6 +37,7 @@ from fedprivacy.optim.adambc import dp_noise_variance
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.sampling import make_sampler
@@ -116,6 +117,10 @@ class DPFedAvgServer:
         self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, cfg.seed)
         self.noise = GaussianNoise(cfg.seed, device=cfg.device, secure=p.secure_noise)
         self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model)
+        self.adaptive_clip = (AdaptiveClip(p.clip_norm, target_quantile=p.adaptive_clipping.target_quantile,
+                                           learning_rate=p.adaptive_clipping.learning_rate,
+                                           count_stddev=p.count_stddev, expected_cohort=p.expected_cohort)
+                              if p.adaptive_clipping else None)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
         self.ledger = PrivacyLedger()
         self.round = 0
@@ -131,6 +136,7 @@ class DPFedAvgServer:
             "noise": self.noise.state_dict(),
             "ledger": self.ledger.state_dict(),
             "disk": self.disk.state_dict() if self.disk else None,
+            "adaptive_clip": self.adaptive_clip.state_dict() if self.adaptive_clip else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,6 +148,8 @@ class DPFedAvgServer:
         self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
         if self.disk:
             self.disk.load_state_dict(state["disk"])
+        if self.adaptive_clip:
+            self.adaptive_clip.load_state_dict(state["adaptive_clip"])
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
@@ -203,7 +211,12 @@ class DPFedAvgServer:
             for i in cohort
         ]
         p = self.cfg.privacy
-        agg = PrivateSum(self.params.numel(), clip_norm=p.clip_norm, noise_multiplier=p.noise_multiplier,
+        if self.adaptive_clip:  # value noise inflated so value + count compose to z (Andrew et al. Thm. 1)
+            clip_norm = self.adaptive_clip.clip_norm
+            value_z = value_noise_multiplier(p.noise_multiplier, p.count_stddev)
+        else:
+            clip_norm, value_z = p.clip_norm, p.noise_multiplier
+        agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_z,
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device)
         losses: list[float] = []
         for reply in grid.send_and_receive(messages):
@@ -223,6 +236,10 @@ class DPFedAvgServer:
                 log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
         dropped = len(expected)
         g = agg.release(self.noise)
+        if self.adaptive_clip:
+            st = agg.stats
+            row_unclipped = self.adaptive_clip.update_(st.accepted - st.clipped, st.accepted, self.noise,
+                                                       noise_free=p.noise_multiplier == 0.0)
         if self.disk:  # post-processing of the released g: filter, base step, record the actual move
             before = self.params.clone()
             self.optimizer.step_(self.params, self.disk.filter_(g))
@@ -239,6 +256,9 @@ class DPFedAvgServer:
             vector_to_parameters(self.params, self.model.parameters())
             row.update(evaluate(self.model, self.task.test_features, self.task.test_labels))
         row.update(agg.stats.as_metrics())
+        row["clip_norm"] = clip_norm
+        if self.adaptive_clip:
+            row["unclipped_fraction_released"] = row_unclipped
         row["downlink_bytes_per_client"] = float(downlink)
         row["cohort_sampled"] = float(len(cohort))
         row["cohort_dropped"] = float(dropped)
