@@ -155,6 +155,23 @@ class PrivacyConfig(_Section):
     secure_noise: bool = False
     """Seed the noise generator from the OS's cryptographic source instead of the run seed."""
     adaptive_clipping: AdaptiveClipConfig | None = None
+    noise_cohort: int | None = Field(None, ge=1)
+    """Large-cohort emulation (pfl-research's ``noise_cohort_size``): simulate ``expected_cohort``
+    clients but add noise as for a cohort of ``noise_cohort`` (std on the sum ``z C m / M``). The
+    reported epsilon then refers to a DEPLOYMENT with that cohort and ``noise_population`` users,
+    never to this simulation."""
+    noise_population: int | None = Field(None, ge=1)
+    """Population of the emulated deployment (default: the simulated population)."""
+
+    @property
+    def accounting_cohort(self) -> int:
+        """The cohort the privacy claim refers to: ``noise_cohort`` when emulating, else ``expected_cohort``."""
+        return self.noise_cohort or self.expected_cohort
+
+    @property
+    def simulated_noise_multiplier(self) -> float:
+        """Noise multiplier applied to the simulated sum: ``z * m / M`` (``z`` without emulation)."""
+        return self.noise_multiplier * self.expected_cohort / self.accounting_cohort
 
     @property
     def count_stddev(self) -> float:
@@ -174,6 +191,15 @@ class PrivacyConfig(_Section):
                 f"privacy.noise_multiplier={self.noise_multiplier} must be below 2 * adaptive_clipping."
                 f"clipped_count_stddev = {2 * self.count_stddev} (Andrew et al. Thm. 1)"
             )
+        if self.noise_population is not None and self.noise_cohort is None:
+            raise ValueError("privacy.noise_population needs privacy.noise_cohort (large-cohort emulation)")
+        if self.noise_cohort is not None:
+            if self.adaptive_clipping is not None:
+                raise ValueError("privacy.noise_cohort (emulation) with privacy.adaptive_clipping is not supported yet")
+            if self.noise_cohort < self.expected_cohort:
+                raise ValueError(f"privacy.noise_cohort={self.noise_cohort} must be >= privacy.expected_cohort")
+            if self.noise_population is not None and self.noise_population < self.noise_cohort:
+                raise ValueError(f"privacy.noise_population={self.noise_population} must be >= privacy.noise_cohort")
         if self.sampling == "fixed" and set(self.accountants) != {"rdp"}:
             raise ValueError(
                 "privacy.accountants must be [rdp] with privacy.sampling='fixed': PRV and PLD here model "

@@ -36,7 +36,7 @@ from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.adambc import dp_noise_variance
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
-from fedprivacy.privacy.accounting import PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilons, would_exceed
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.noise import GaussianNoise
@@ -90,8 +90,8 @@ def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> 
     if s.optimizer == "sgd":
         settings["momentum"] = s.momentum
     if s.optimizer == "adambc":
-        # Phi = (z C / m)^2: the per-coordinate variance of the noise in g_t (notes/adambc.md §5.1)
-        settings["phi"] = dp_noise_variance(p.noise_multiplier, p.clip_norm, p.expected_cohort)
+        # Phi = (z C / M)^2: the per-coordinate noise variance in g_t, M the (emulated) cohort (notes/adambc.md §5.1)
+        settings["phi"] = dp_noise_variance(p.noise_multiplier, p.clip_norm, p.accounting_cohort)
         settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
     if s.optimizer == "microadam":
         m = s.microadam or MicroAdamConfig()
@@ -111,7 +111,9 @@ class DPFedAvgServer:
         self.task = task
         p = cfg.privacy
         self.population = task.population
-        self.delta = p.delta if p.delta is not None else 1.0 / self.population
+        # the population and cohort the privacy claim refers to (a deployment's, when emulating)
+        self.claim_population = p.noise_population or self.population
+        self.delta = p.delta if p.delta is not None else 1.0 / self.claim_population
         self.model = task.new_model(cfg.device)
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
         self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, cfg.seed)
@@ -151,6 +153,23 @@ class DPFedAvgServer:
         if self.adaptive_clip:
             self.adaptive_clip.load_state_dict(state["adaptive_clip"])
 
+    def _round_event(self) -> GaussianRound:
+        """This round's accounting event: the sampler's, or the emulated deployment's."""
+        p = self.cfg.privacy
+        if p.noise_cohort is None:
+            return self.sampler.round_event(p.noise_multiplier)
+        return GaussianRound(noise_multiplier=p.noise_multiplier, sampling=p.sampling,
+                             population=self.claim_population, expected_cohort=float(p.noise_cohort))
+
+    def privacy_claim(self) -> str:
+        """What the reported epsilon means, in words (written to the summary)."""
+        p = self.cfg.privacy
+        who = (f"a DEPLOYMENT with cohort {p.noise_cohort} of {self.claim_population} users (large-cohort "
+               f"emulation: this simulation used cohort {p.expected_cohort} of {self.population} users with "
+               f"noise scaled by {p.expected_cohort}/{p.noise_cohort}; the epsilon does NOT hold for the simulation)"
+               if p.noise_cohort else f"this run: cohort {p.expected_cohort} of {self.population} users")
+        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}"
+
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
         return self.model.state_dict()
@@ -167,6 +186,7 @@ class DPFedAvgServer:
     def run(self, grid: Grid, resume: bool = False) -> dict[str, Any]:
         """Run rounds until ``cfg.rounds`` or the privacy budget; return the summary."""
         checkpoint = self.outputs.prepare(resume)
+        log.info("privacy: %s", self.privacy_claim())
         if checkpoint is not None:
             self.load_state_dict(checkpoint)
             log.info("resumed from round %d (epsilon so far kept in the ledger)", self.round)
@@ -175,7 +195,7 @@ class DPFedAvgServer:
         nodes = discover_nodes(grid, self.population)
         stop_reason = "rounds"
         while self.round < self.cfg.rounds:
-            event = self.sampler.round_event(self.cfg.privacy.noise_multiplier)
+            event = self._round_event()
             target = self.cfg.privacy.target_epsilon
             if target is not None and would_exceed(self.ledger, event, self.delta,
                                                    self.cfg.privacy.budget_accountant, target):
@@ -188,6 +208,7 @@ class DPFedAvgServer:
         summary = {"rounds_completed": self.round, "stop_reason": stop_reason, "delta": self.delta,
                    "population": self.population, "engine": self.cfg.engine,
                    "majority_baseline_accuracy": self.task.majority_baseline,
+                   "privacy_claim": self.privacy_claim(),
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
         self.outputs.finish(summary)
         return summary
@@ -213,9 +234,9 @@ class DPFedAvgServer:
         p = self.cfg.privacy
         if self.adaptive_clip:  # value noise inflated so value + count compose to z (Andrew et al. Thm. 1)
             clip_norm = self.adaptive_clip.clip_norm
-            value_z = value_noise_multiplier(p.noise_multiplier, p.count_stddev)
+            value_z = value_noise_multiplier(p.simulated_noise_multiplier, p.count_stddev)
         else:
-            clip_norm, value_z = p.clip_norm, p.noise_multiplier
+            clip_norm, value_z = p.clip_norm, p.simulated_noise_multiplier
         agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_z,
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device)
         losses: list[float] = []
