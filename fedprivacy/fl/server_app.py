@@ -213,6 +213,17 @@ class DPFedAvgServer:
         self.outputs.finish(summary)
         return summary
 
+    def _privatize_and_step(self, agg: PrivateSum) -> None:
+        """Release ``g_t`` from the mechanism (the noise is added there), then post-process it:
+        DiSK's filter if configured, the server optimizer, and DiSK's record of the actual move."""
+        g = agg.release(self.noise)
+        if self.disk:
+            before = self.params.clone()
+            self.optimizer.step_(self.params, self.disk.filter_(g))
+            self.disk.record_(self.params - before)
+        else:
+            self.optimizer.step_(self.params, g)
+
     def _run_round(self, grid: Grid, nodes: list[int], event: Any) -> None:
         t0 = time.perf_counter()
         self.round += 1
@@ -256,17 +267,11 @@ class DPFedAvgServer:
             elif update is not None:
                 log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
         dropped = len(expected)
-        g = agg.release(self.noise)
-        if self.adaptive_clip:
+        self._privatize_and_step(agg)
+        if self.adaptive_clip:  # its count draw follows the value draw on the same generator
             st = agg.stats
             row_unclipped = self.adaptive_clip.update_(st.accepted - st.clipped, st.accepted, self.noise,
                                                        noise_free=p.noise_multiplier == 0.0)
-        if self.disk:  # post-processing of the released g: filter, base step, record the actual move
-            before = self.params.clone()
-            self.optimizer.step_(self.params, self.disk.filter_(g))
-            self.disk.record_(self.params - before)
-        else:
-            self.optimizer.step_(self.params, g)
         self.ledger.compose(event)
         row: dict[str, float] = {"round": self.round,
                                  "train_loss": sum(losses) / len(losses) if losses else float("nan"),
