@@ -1,4 +1,4 @@
-"""Command line: ``fedprivacy run | epsilon | data generate``.
+"""Command line: ``fedprivacy run | epsilon | calibrate | audit | data generate``.
 
 Errors a user can fix (bad config field, missing or corrupt data file, existing run folder)
 print one clear line naming the field or file and exit with status 2, without a traceback.
@@ -14,7 +14,10 @@ from pathlib import Path
 
 from fedprivacy.config import ConfigError, RunConfig, build_config, load_config
 
+BROKEN_VARIANT_NAMES = ("noise_off", "noise_after_optimizer")  # fedprivacy.audit.BROKEN_VARIANTS, kept import-free
+
 EXIT_USAGE = 2
+EXIT_AUDIT_FAILED = 1
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -38,6 +41,20 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
                                    population=args.population, rdp_orders=orders) for k in kinds},
     }
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from fedprivacy.audit import run_audit
+
+    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    report = run_audit(cfg, trials=args.trials, delta=args.delta, alpha=args.alpha, variant=args.break_variant,
+                       accountant=args.accountant)
+    print(json.dumps(report.as_dict(), indent=2))
+    if not report.passed:
+        print(f"fedprivacy: audit FAILED: empirical epsilon >= {report.epsilon_lower_bound:.3f} exceeds the claimed "
+              f"{report.epsilon_claimed:.3f} ({report.accountant}, one round, delta={report.delta:g})", file=sys.stderr)
+        return EXIT_AUDIT_FAILED
     return 0
 
 
@@ -71,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--population", type=int, help="N (required for --sampling fixed)")
     p.add_argument("--orders", help="comma-separated RDP orders (default: Opacus's)")
     p.set_defaults(func=_cmd_epsilon)
+
+    p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client; "
+                                     "exits 1 when it exceeds the claimed epsilon")
+    p.add_argument("config", nargs="?", help="YAML config whose mechanism and server optimizer are audited")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--trials", type=int, default=500, help="trials per side (canary in / out)")
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--alpha", type=float, default=0.05, help="the bound holds with probability 1 - alpha")
+    p.add_argument("--accountant", choices=["rdp", "prv", "pld"], default="pld", help="accountant of the claim")
+    p.add_argument("--break", dest="break_variant", default="correct",
+                   choices=["correct", *sorted(BROKEN_VARIANT_NAMES)],
+                   help="audit a deliberately broken server instead, to see the audit fail")
+    p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser("data", help="data sets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
