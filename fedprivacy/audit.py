@@ -135,6 +135,9 @@ def run_audit(cfg: RunConfig, *, trials: int = 500, delta: float = 1e-5, alpha: 
     """Audit one round of ``cfg``'s mechanism + server; ``variant`` selects a broken server to test the audit."""
     if variant != "correct" and variant not in BROKEN_VARIANTS:
         raise ValueError(f"audit variant must be 'correct' or one of {sorted(BROKEN_VARIANTS)}, got {variant!r}")
+    if cfg.privacy.noise_multiplier == "auto":
+        raise ValueError("the audit needs a numeric privacy.noise_multiplier (it audits one round without data); "
+                         "get it with `fedprivacy calibrate` or from a calibrated run's config.yaml")
     if trials < 10:
         raise ValueError(f"audit trials must be at least 10 per side, got {trials}")
     server_cls = DPFedAvgServer if variant == "correct" else BROKEN_VARIANTS[variant]

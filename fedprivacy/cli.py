@@ -44,6 +44,34 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from fedprivacy.privacy.calibration import calibrate_noise_multiplier, max_rounds
+
+    if (args.steps is None) == (args.noise_multiplier is None):
+        raise ValueError("calibrate needs exactly one of --steps (find the noise multiplier) or "
+                         "--noise-multiplier (find the affordable steps)")
+    if args.sampling == "fixed" and args.population is None:
+        raise ValueError("--population is required for --sampling fixed")
+    population = args.population or 1  # poisson/none without N: expected cohort q * 1 of 1
+    cohort = round(args.q * population) if args.sampling == "fixed" else args.q * population
+    common = {"sampling": args.sampling, "population": population, "expected_cohort": cohort,
+              "accountant": args.accountant}
+    result = {"sampling": args.sampling, "q": args.q, "population": args.population, "delta": args.delta,
+              "target_epsilon": args.target_epsilon, "accountant": args.accountant}
+    if args.steps is not None:
+        z = calibrate_noise_multiplier(args.target_epsilon, args.delta, rounds=args.steps, **common)
+        result.update(steps=args.steps, noise_multiplier=z)
+    else:
+        steps = max_rounds(args.target_epsilon, args.delta, noise_multiplier=args.noise_multiplier, **common)
+        result.update(noise_multiplier=args.noise_multiplier, steps=steps)
+    from fedprivacy.privacy.accounting import epsilon_for
+
+    result["epsilon"] = epsilon_for(args.sampling, args.q, result["noise_multiplier"], result["steps"], args.delta,
+                                    args.accountant, population=args.population)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from fedprivacy.audit import run_audit
 
@@ -88,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--population", type=int, help="N (required for --sampling fixed)")
     p.add_argument("--orders", help="comma-separated RDP orders (default: Opacus's)")
     p.set_defaults(func=_cmd_epsilon)
+
+    p = sub.add_parser("calibrate", help="noise multiplier for a budget (--steps), or the steps a noise "
+                                         "multiplier affords (--noise-multiplier), as JSON")
+    p.add_argument("--target-epsilon", type=float, required=True)
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--sampling", choices=["poisson", "fixed", "none"], required=True)
+    p.add_argument("--q", type=float, required=True, help="sampling rate (fixed: cohort / population)")
+    p.add_argument("--population", type=int, help="N (required for --sampling fixed)")
+    p.add_argument("--accountant", choices=["rdp", "prv", "pld"], default="rdp")
+    p.add_argument("--steps", type=int, help="rounds the run will take: find the noise multiplier")
+    p.add_argument("--noise-multiplier", type=float, help="find the largest affordable number of rounds")
+    p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client; "
                                      "exits 1 when it exceeds the claimed epsilon")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -138,8 +138,10 @@ class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
     clip_norm: float = Field(10.0, gt=0.0)
-    noise_multiplier: float = Field(1.0, ge=0.0)
-    """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy)."""
+    noise_multiplier: Annotated[float, Field(ge=0.0)] | Literal["auto"] = 1.0
+    """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy). ``auto``:
+    calibrated when the run starts (the population is known then) so that epsilon after ``rounds``
+    rounds under ``budget_accountant`` is within 1% below ``target_epsilon``."""
     sampling: Literal["poisson", "fixed"] = "poisson"
     """poisson: each user joins independently with q = expected_cohort / population;
     fixed: exactly expected_cohort users without replacement."""
@@ -181,6 +183,10 @@ class PrivacyConfig(_Section):
 
     @model_validator(mode="after")
     def _budget_accountant_is_computed(self) -> PrivacyConfig:
+        if self.noise_multiplier == "auto":
+            if self.target_epsilon is None:
+                raise ValueError("privacy.noise_multiplier='auto' needs privacy.target_epsilon (the budget to calibrate to)")
+            return self  # the remaining checks run again once the run has calibrated z
         if self.budget_accountant not in self.accountants:
             raise ValueError(
                 f"privacy.budget_accountant={self.budget_accountant!r} must be one of "

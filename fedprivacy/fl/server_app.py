@@ -37,6 +37,7 @@ from fedprivacy.optim.adambc import dp_noise_variance
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.noise import GaussianNoise
@@ -103,10 +104,34 @@ def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> 
     return make_server_optimizer(s.optimizer, lr=s.lr, **settings)
 
 
+def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
+    """``privacy.noise_multiplier: auto`` replaced by its calibrated value (any other config unchanged).
+
+    z is :func:`~fedprivacy.privacy.calibration.calibrate_noise_multiplier` for ``target_epsilon``
+    after ``rounds`` rounds of exactly the events this server will account (its sampling, the claim's
+    population and cohort, ``delta`` or 1 / population, ``budget_accountant``), so the budget check
+    never stops the run early and the final epsilon is within 1% below the target.
+    """
+    p = cfg.privacy
+    if p.noise_multiplier != "auto":
+        return cfg
+    claim_population = p.noise_population or population
+    z = calibrate_noise_multiplier(p.target_epsilon, p.delta if p.delta is not None else 1.0 / claim_population,
+                                   sampling=p.sampling, population=claim_population,
+                                   expected_cohort=float(p.accounting_cohort), rounds=cfg.rounds,
+                                   accountant=p.budget_accountant)
+    log.info("privacy.noise_multiplier calibrated to %.6g for epsilon %g after %d rounds (%s)",
+             z, p.target_epsilon, cfg.rounds, p.budget_accountant)
+    tree = cfg.model_dump(mode="json", exclude_unset=True)
+    tree["privacy"]["noise_multiplier"] = z
+    return RunConfig.model_validate(tree)
+
+
 class DPFedAvgServer:
     """Holds the server's state and runs the rounds against a Flower ``Grid``."""
 
     def __init__(self, cfg: RunConfig, task: TagPredictionTask) -> None:
+        cfg = resolve_noise_multiplier(cfg, task.population)
         self.cfg = cfg
         self.task = task
         p = cfg.privacy
@@ -207,6 +232,7 @@ class DPFedAvgServer:
         self.outputs.save_checkpoint(self.state_dict())
         summary = {"rounds_completed": self.round, "stop_reason": stop_reason, "delta": self.delta,
                    "population": self.population, "engine": self.cfg.engine,
+                   "noise_multiplier": self.cfg.privacy.noise_multiplier,
                    "majority_baseline_accuracy": self.task.majority_baseline,
                    "privacy_claim": self.privacy_claim(),
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
