@@ -120,7 +120,8 @@ def _connect(sqlite_path: str | Path) -> Iterator[tuple[Path, sqlite3.Connection
             tables = {row[0] for row in connection.execute(
                 "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
         except sqlite3.DatabaseError as err:
-            raise DataFormatError(f"{path}: not an SQLite database ({err})") from err
+            raise DataFormatError(f"{path}: not an SQLite database, or corrupt or "
+                                  f"truncated ({err})") from err
         for table, required in _REQUIRED_COLUMNS.items():
             if table not in tables:
                 raise DataFormatError(f"{path}: missing table {table!r} "
@@ -146,6 +147,15 @@ def _split_client_ids(path: Path, connection: sqlite3.Connection, split: str) ->
     return ids
 
 
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Turns SQLite errors met while reading (a corrupt or truncated file) into DataFormatError."""
+    try:
+        yield
+    except sqlite3.DatabaseError as err:
+        raise DataFormatError(f"{path}: corrupt or truncated SQLite file ({err})") from err
+
+
 def client_ids(sqlite_path: str | Path, split: str) -> list[str]:
     """Lists the clients of a split, from ``client_metadata``.
 
@@ -161,7 +171,7 @@ def client_ids(sqlite_path: str | Path, split: str) -> list[str]:
         DataFormatError: If it is not SQLite or lacks the expected tables/columns.
         ValueError: If ``split`` has no clients.
     """
-    with _connect(sqlite_path) as (path, connection):
+    with _connect(sqlite_path) as (path, connection), _reading(path):
         return _split_client_ids(path, connection, split)
 
 
@@ -186,7 +196,7 @@ def _rows(connection: sqlite3.Connection, split: str, ids: list[str] | None
 
 
 def iter_client_examples(sqlite_path: str | Path, split: str,
-                         client_ids: Iterable[str] | None = None
+                         client_ids: Iterable[str] | None = None, *, allow_empty: bool = False
                          ) -> Iterator[tuple[str, list[dict[str, list]]]]:
     """Streams clients and their decoded examples.
 
@@ -195,21 +205,24 @@ def iter_client_examples(sqlite_path: str | Path, split: str,
         split: ``"train"``, ``"heldout"`` or ``"test"``.
         client_ids: Clients to read (any order, duplicates ignored); ``None``
             reads every client of the split.
+        allow_empty: Yield ``[]`` for a client listed in ``client_metadata``
+            without rows instead of raising.
 
     Yields:
         ``(client_id, examples)`` in sorted client-id order, one client at a
         time. ``examples`` are dicts as returned by
         :func:`~fedprivacy.data.example_proto.decode_example`, in rowid order.
-        A client listed in ``client_metadata`` without rows yields ``[]``.
 
     Raises:
         FileNotFoundError: If the file does not exist.
         DataFormatError: If it is not SQLite, lacks the expected tables or
-            columns, or holds a row that is not a ``tf.train.Example``.
+            columns, is corrupt or truncated, holds a row that is not a
+            ``tf.train.Example``, or (unless ``allow_empty``) a client listed
+            in ``client_metadata`` has no rows.
         ValueError: If ``split`` has no clients, or a requested client is not
             in it.
     """
-    with _connect(sqlite_path) as (path, connection):
+    with _connect(sqlite_path) as (path, connection), _reading(path):
         known = _split_client_ids(path, connection, split)
         if client_ids is None:
             wanted, query_ids = known, None
@@ -231,4 +244,7 @@ def iter_client_examples(sqlite_path: str | Path, split: str,
                             raise DataFormatError(f"{path}: client {client!r}, row "
                                                   f"{pending[1]}: {err}") from err
                     pending = next(rows, None)
+                if not examples and not allow_empty:
+                    raise DataFormatError(f"{path}: client {client!r} of split {split!r} is "
+                                          "listed in client_metadata but has no examples")
                 yield client, examples

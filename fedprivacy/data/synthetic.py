@@ -10,6 +10,10 @@ same layouts, so every reader works unchanged on real and synthetic data:
 * ``stackoverflow.word_count``: ``word count`` lines, most frequent first.
 * ``stackoverflow.tag_count``: a JSON object tag -> count, most frequent first.
 
+With ``format="tff-h5"`` the examples go instead to TFF's legacy HDF5 files
+``stackoverflow_{train,held_out,test}.h5`` (``/examples/<client_id>/<feature>``,
+see :mod:`fedprivacy.data.hdf5`); same seed, same posts in both formats.
+
 Counts are occurrences in the train split (words: in ``tokens``; tags: posts
 carrying the tag). TFF's real files count unique users instead; only the
 resulting frequency order matters to the preprocessing.
@@ -42,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from fedprivacy.data.example_proto import encode_example
+from fedprivacy.data.hdf5 import SPLIT_FILES, H5Writer
 
 __all__ = ["SyntheticFiles", "generate"]
 
@@ -99,11 +104,20 @@ _INDEX = "CREATE INDEX examples_split_client ON examples (split_name, client_id)
 
 @dataclass(frozen=True)
 class SyntheticFiles:
-    """Paths of the files written by :func:`generate`."""
+    """Paths of the files written by :func:`generate`.
 
-    sqlite: Path
+    ``sqlite`` is set for ``format="tff-sqlite"``, ``h5`` (split name -> file) for
+    ``format="tff-h5"``; the other is ``None``.
+    """
+
+    sqlite: Path | None
     word_count: Path
     tag_count: Path
+    h5: dict[str, Path] | None = None
+
+    def example_files(self) -> list[Path]:
+        """The files holding the examples (one SQLite file or three HDF5 files)."""
+        return [self.sqlite] if self.sqlite is not None else list(self.h5.values())
 
 
 @dataclass(frozen=True)
@@ -206,11 +220,12 @@ def _draw_words(rng: np.random.Generator, world: _World, cdf: np.ndarray,
 
 def _posts(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: int,
            time_range: tuple[int, int], p_answer: float
-           ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+           ) -> tuple[dict[str, list], np.ndarray, np.ndarray]:
     """Generates ``n`` posts of one user, oldest first.
 
     Returns:
-        The serialized examples, the token word ids and the tag ids (for counting).
+        The posts as feature columns (feature name -> list of ``n`` values, the six TFF
+        features), the token word ids and the tag ids (for counting).
     """
     times = np.sort(rng.integers(*time_range, size=n))
     answer = rng.random(n) < p_answer
@@ -242,18 +257,15 @@ def _posts(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: i
     body_offsets, title_offsets = np.r_[0, np.cumsum(body_len)], np.r_[0, np.cumsum(title_len)]
     tag_names = world.tags[tag_ids].tolist()
     dates = np.datetime_as_string(times.astype("datetime64[s]"))
-    blobs = [
-        encode_example({
-            "creation_date": f"{dates[i].replace('T', ' ')} UTC",
-            "score": int(score[i]),
-            "tags": "|".join(tag_names[tag_offsets[i]:tag_offsets[i + 1]]),
-            "title": " ".join(title_words[title_offsets[i]:title_offsets[i + 1]]),
-            "tokens": " ".join(body_words[body_offsets[i]:body_offsets[i + 1]]),
-            "type": "answer" if answer[i] else "question",
-        })
-        for i in range(n)
-    ]
-    return blobs, body, tag_ids
+    columns = {
+        "creation_date": [f"{date.replace('T', ' ')} UTC" for date in dates],
+        "score": score.tolist(),
+        "tags": ["|".join(tag_names[tag_offsets[i]:tag_offsets[i + 1]]) for i in range(n)],
+        "title": [" ".join(title_words[title_offsets[i]:title_offsets[i + 1]]) for i in range(n)],
+        "tokens": [" ".join(body_words[body_offsets[i]:body_offsets[i + 1]]) for i in range(n)],
+        "type": ["answer" if a else "question" for a in answer.tolist()],
+    }
+    return columns, body, tag_ids
 
 
 def _num_examples(rng: np.random.Generator) -> int:
@@ -263,7 +275,7 @@ def _num_examples(rng: np.random.Generator) -> int:
 
 
 def _user_splits(seed: int, user: int, world: _World
-                 ) -> list[tuple[str, list[bytes], np.ndarray, np.ndarray]]:
+                 ) -> list[tuple[str, dict[str, list], np.ndarray, np.ndarray]]:
     """All posts of one user, grouped by split."""
     rng = np.random.default_rng([seed, 1, user])
     n_favourites = 1 + min(int(rng.poisson(1.2)), 4)
@@ -290,7 +302,9 @@ class _Writer:
         self._examples: list[tuple[str, str, bytes]] = []
         self._metadata: list[tuple[str, str, int]] = []
 
-    def add(self, split: str, client_id: str, blobs: list[bytes]) -> None:
+    def add(self, split: str, client_id: str, columns: dict[str, list]) -> None:
+        names = list(columns)
+        blobs = [encode_example(dict(zip(names, row))) for row in zip(*columns.values())]
         self._examples.extend((split, client_id, blob) for blob in blobs)
         self._metadata.append((client_id, split, len(blobs)))
         if len(self._examples) >= _BATCH_ROWS:
@@ -317,7 +331,7 @@ def _write_counts(world: _World, word_counts: np.ndarray, tag_counts: np.ndarray
 
 
 def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
-             overwrite: bool = False) -> SyntheticFiles:
+             overwrite: bool = False, format: str = "tff-sqlite") -> SyntheticFiles:
     """Writes a synthetic StackOverflow dataset in TFF's on-disk format.
 
     Args:
@@ -325,55 +339,75 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
         num_clients: Number of train users (the real dataset has 342,477).
             About ``num_clients / 9`` held-out users are added.
         seed: Non-negative seed; the same seed gives byte-identical files.
-        overwrite: Replace an existing non-empty ``stackoverflow.sqlite``.
+        overwrite: Replace existing non-empty example files.
+        format: ``"tff-sqlite"`` (``stackoverflow.sqlite``) or ``"tff-h5"`` (TFF's legacy
+            ``stackoverflow_{train,held_out,test}.h5``). Both hold the same posts for the
+            same seed.
 
     Returns:
-        The paths of the three files.
+        The paths of the files written.
 
     Raises:
-        FileExistsError: If the sqlite file exists, is not empty, and
+        FileExistsError: If an example file exists, is not empty, and
             ``overwrite`` is false.
-        ValueError: If ``num_clients < 1`` or ``seed < 0``.
+        ValueError: If ``num_clients < 1``, ``seed < 0`` or ``format`` is unknown.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     out_dir = Path(out_dir)
-    files = SyntheticFiles(out_dir / SQLITE_NAME, out_dir / WORD_COUNT_NAME,
-                           out_dir / TAG_COUNT_NAME)
-    if files.sqlite.exists() and files.sqlite.stat().st_size > 0 and not overwrite:
-        raise FileExistsError(f"{files.sqlite} already exists and is not empty; pass "
+    if format == "tff-sqlite":
+        files = SyntheticFiles(out_dir / SQLITE_NAME, out_dir / WORD_COUNT_NAME,
+                               out_dir / TAG_COUNT_NAME)
+    elif format == "tff-h5":
+        files = SyntheticFiles(None, out_dir / WORD_COUNT_NAME, out_dir / TAG_COUNT_NAME,
+                               h5={split: out_dir / name for split, name in SPLIT_FILES.items()})
+    else:
+        raise ValueError(f"format must be 'tff-sqlite' or 'tff-h5', got {format!r}")
+    existing = [p for p in files.example_files() if p.exists() and p.stat().st_size > 0]
+    if existing and not overwrite:
+        raise FileExistsError(f"{existing[0]} already exists and is not empty; pass "
                               "overwrite=True to replace it")
     out_dir.mkdir(parents=True, exist_ok=True)
-    partial = {name: path.with_name(path.name + ".partial")
-               for name, path in vars(files).items()}
-    partial["sqlite"].unlink(missing_ok=True)
+    targets = [*files.example_files(), files.word_count, files.tag_count]
+    partial = {path: path.with_name(path.name + ".partial") for path in targets}
+    for path in partial.values():
+        path.unlink(missing_ok=True)
 
     world = _world(seed)
     word_counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
     tag_counts = np.zeros(NUM_TAGS, dtype=np.int64)
     num_users = num_clients + (num_clients - 1) // 9 + 1   # ids k with k % 10 == 0 held out
     width = max(8, len(str(num_users - 1)))
-    connection = sqlite3.connect(partial["sqlite"])
-    try:
-        connection.execute("PRAGMA journal_mode = OFF")
-        connection.execute("PRAGMA synchronous = OFF")
-        for statement in _SCHEMA:
-            connection.execute(statement)
-        writer = _Writer(connection)
+
+    def write_users(add) -> None:
         for user in range(num_users):
-            for split, blobs, token_ids, tag_ids in _user_splits(seed, user, world):
-                writer.add(split, f"{user:0{width}d}", blobs)
+            for split, columns, token_ids, tag_ids in _user_splits(seed, user, world):
+                add(split, f"{user:0{width}d}", columns)
                 if split == "train":
-                    word_counts += np.bincount(token_ids, minlength=VOCAB_SIZE)
-                    tag_counts += np.bincount(tag_ids, minlength=NUM_TAGS)
-        writer.flush()
-        with connection:
-            connection.execute(_INDEX)
-    finally:
-        connection.close()
-    _write_counts(world, word_counts, tag_counts, partial["word_count"], partial["tag_count"])
-    for name, path in vars(files).items():
-        os.replace(partial[name], path)
+                    word_counts[:] += np.bincount(token_ids, minlength=VOCAB_SIZE)
+                    tag_counts[:] += np.bincount(tag_ids, minlength=NUM_TAGS)
+
+    if files.sqlite is not None:
+        connection = sqlite3.connect(partial[files.sqlite])
+        try:
+            connection.execute("PRAGMA journal_mode = OFF")
+            connection.execute("PRAGMA synchronous = OFF")
+            for statement in _SCHEMA:
+                connection.execute(statement)
+            writer = _Writer(connection)
+            write_users(writer.add)
+            writer.flush()
+            with connection:
+                connection.execute(_INDEX)
+        finally:
+            connection.close()
+    else:
+        with H5Writer({split: partial[path] for split, path in files.h5.items()}) as writer:
+            write_users(writer.add)
+    _write_counts(world, word_counts, tag_counts, partial[files.word_count],
+                  partial[files.tag_count])
+    for path, temporary in partial.items():
+        os.replace(temporary, path)
     return files

@@ -27,3 +27,10 @@ def so_files(tmp_path_factory: pytest.TempPathFactory, so_spec: SynthSpec) -> Sy
     """A small synthetic dataset, generated once per session."""
     return generate(tmp_path_factory.mktemp("so"), num_clients=so_spec.num_clients,
                     seed=so_spec.seed)
+
+
+@pytest.fixture(scope="session")
+def so_h5_files(tmp_path_factory: pytest.TempPathFactory, so_spec: SynthSpec) -> SyntheticFiles:
+    """The same dataset as ``so_files``, written in TFF's legacy HDF5 format."""
+    return generate(tmp_path_factory.mktemp("so_h5"), num_clients=so_spec.num_clients,
+                    seed=so_spec.seed, format="tff-h5")

@@ -122,8 +122,12 @@ def test_subset_in_sorted_order_across_query_chunks(so_files: SyntheticFiles,
 
 
 def test_unindexed_interleaved_file_and_client_without_rows(interleaved_db: Path) -> None:
-    streamed = [(c, _texts(e)) for c, e in iter_client_examples(interleaved_db, "train")]
+    streamed = [(c, _texts(e)) for c, e in iter_client_examples(interleaved_db, "train",
+                                                                allow_empty=True)]
     assert streamed == [("a", [b"a1", b"a2"]), ("b", [b"b1", b"b2"]), ("c", [])]
+    with pytest.raises(DataFormatError, match=rf"{re.escape(str(interleaved_db))}: client 'c' "
+                                              "of split 'train'.*no examples"):
+        list(iter_client_examples(interleaved_db, "train"))
     assert [(c, _texts(e)) for c, e in iter_client_examples(interleaved_db, "test")] == [
         ("a", [b"x"])]
 
