@@ -24,7 +24,7 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    """Where the StackOverflow files are and how tag prediction is preprocessed."""
+    """Where the StackOverflow files are, which task, and how clients and posts are selected."""
 
     path: Path = Path("data/synthetic")
     """Folder holding ``stackoverflow.sqlite``, ``stackoverflow.word_count``, ``stackoverflow.tag_count``."""
@@ -40,6 +40,32 @@ class DataConfig(_Section):
     """Use only the first ``max_clients`` training users (sorted ids); the population is this many."""
     max_test_examples: int | None = Field(None, ge=1)
     """Cap on pooled test examples used for evaluation (first ones in client order)."""
+    task: Literal["tag", "tag_multilabel", "next_word"] = "tag"
+    """tag: single label (AdaDPS, softmax, accuracy); tag_multilabel: multi-hot over ``num_tags``
+    (Reddi et al., sigmoid, recall@5); next_word: TFF's next-word prediction (LSTM, accuracy
+    without pad/OOV/EOS)."""
+    source: Literal["tff-sqlite", "tff-h5"] = "tff-sqlite"
+    """Example files in ``path``: ``stackoverflow.sqlite`` or TFF's legacy
+    ``stackoverflow_{train,held_out,test}.h5``."""
+    view: Literal["natural", "adadps"] = "natural"
+    """natural: each training user is a client, evaluation on the pooled ``test`` split;
+    adadps: the first ``max_clients`` (default 400) training users, each split 80/20 by position
+    into its train part (the client) and its test part (pooled for evaluation)."""
+    train_fraction: float = Field(0.8, gt=0.0, lt=1.0)
+    """Share of each user's posts (first ones) in its train part, ``view: adadps``."""
+    client_sample: int | None = Field(None, ge=1)
+    """Keep a uniform random subset of this many training users (after ``max_clients``)."""
+    client_sample_seed: int = 0
+    max_examples_per_client: int | None = Field(None, ge=1)
+    """Cap on each client's training posts (its first ones); Reddi et al. use 1000 for next word."""
+    public_clients: int = Field(0, ge=0)
+    """Load the first this many ``heldout`` users as a public (out-of-distribution) pool."""
+    seq_len: int = Field(20, ge=1)
+    """next_word: words per sequence (TFF's 20)."""
+    cache: bool = True
+    """Cache preprocessed splits as memory-mapped arrays (rebuilt when an input file changes)."""
+    cache_dir: Path | None = None
+    """Cache folder (default: ``<path>/.fedprivacy-cache``)."""
 
 
 class ClientConfig(_Section):
@@ -154,6 +180,10 @@ class PrivacyConfig(_Section):
     """Accountant whose epsilon is checked against ``target_epsilon``."""
     target_epsilon: float | None = Field(None, gt=0.0)
     """Stop before the round that would push epsilon above this."""
+    placement: Literal["central", "distributed", "local"] = "central"
+    """Who adds the noise (fedprivacy.privacy.placement): the server (central); each client its
+    share N(0, z^2 C^2 / m), assuming secure aggregation (distributed); each client N(0, z^2 C^2) on
+    its own upload, with a per-client epsilon (local). Clients clip in the last two."""
     secure_noise: bool = False
     """Seed the noise generator from the OS's cryptographic source instead of the run seed."""
     adaptive_clipping: AdaptiveClipConfig | None = None
@@ -197,6 +227,9 @@ class PrivacyConfig(_Section):
                 f"privacy.noise_multiplier={self.noise_multiplier} must be below 2 * adaptive_clipping."
                 f"clipped_count_stddev = {2 * self.count_stddev} (Andrew et al. Thm. 1)"
             )
+        if self.placement != "central" and (self.adaptive_clipping is not None or self.noise_cohort is not None):
+            raise ValueError(f"privacy.placement={self.placement!r} works with a fixed clip norm and no large-cohort "
+                             "emulation (privacy.adaptive_clipping and privacy.noise_cohort need placement: central)")
         if self.noise_population is not None and self.noise_cohort is None:
             raise ValueError("privacy.noise_population needs privacy.noise_cohort (large-cohort emulation)")
         if self.noise_cohort is not None:

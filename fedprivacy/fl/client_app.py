@@ -9,8 +9,10 @@ Message contract (``message_type``):
   with the same data order and sends ``c Delta(lookahead) + (1 - c) Delta(x_t)``); reply
   ``{"arrays": Delta_i = x_local - x_t (flat COO: indices, values), "metrics": {"train_loss",
   "num-examples"}}``.
-  The client does not clip: the server clips what it receives (central DP; invariant 1 holds
-  because the reply IS the transmitted vector).
+  Central placement (default): the client does not clip; the server clips what it receives
+  (invariant 1 holds because the reply IS the transmitted vector). Distributed and local
+  placements: the client clips and adds its noise itself and sends the DENSE noised vector
+  (:mod:`fedprivacy.privacy.placement`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
-from torch.nn.utils import vector_to_parameters
 
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig
 from fedprivacy.optim.disk import disk_combination
-from fedprivacy.fl.records import record_to_vector, update_to_record
+from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
+from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
 from fedprivacy.fl.server_app import config_from_context
 from fedprivacy.task import load_task
 
@@ -50,10 +54,8 @@ def _load_broadcast(model: torch.nn.Module, record: ArrayRecord, device: str) ->
     """
     if _loaded.get(model) is record:
         return
-    vector = record_to_vector(record, model, device)
-    if vector is None:
+    if not load_record_(model, record):
         raise ValueError("broadcast arrays do not match the model's parameters")
-    vector_to_parameters(vector, model.parameters())
     _loaded[model] = record
 
 
@@ -108,6 +110,11 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
             ahead = train_from(lookaheads.vector(lookahead, model, c.device))
             result = ahead if coefficient == 1.0 else train_from(None)
             update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
+        p = c.privacy
+        if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
+            std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort)
+            noise = GaussianNoise(c.seed, device=c.device, secure=p.secure_noise, stream=(server_round, partition))
+            update = SparseUpdate.dense(privatize_upload_(update.to_dense().clone(), p.clip_norm, std, noise))
         content = RecordDict({
             "arrays": update_to_record(update),
             "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples}),

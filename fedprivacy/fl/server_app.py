@@ -38,6 +38,8 @@ from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilons, would_exceed
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
+from fedprivacy.privacy.client_ledgers import ClientLedgers
+from fedprivacy.privacy.placement import local_upload_event, released_noise_variance
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.noise import GaussianNoise
@@ -91,8 +93,11 @@ def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> 
     if s.optimizer == "sgd":
         settings["momentum"] = s.momentum
     if s.optimizer == "adambc":
-        # Phi = (z C / M)^2: the per-coordinate noise variance in g_t, M the (emulated) cohort (notes/adambc.md §5.1)
-        settings["phi"] = dp_noise_variance(p.noise_multiplier, p.clip_norm, p.accounting_cohort)
+        # Phi: the per-coordinate noise variance in g_t, (z C / M)^2 with M the (emulated) cohort
+        # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m)
+        settings["phi"] = (dp_noise_variance(p.noise_multiplier, p.clip_norm, p.accounting_cohort)
+                           if p.placement == "central" else
+                           released_noise_variance(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort))
         settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
     if s.optimizer == "microadam":
         m = s.microadam or MicroAdamConfig()
@@ -150,6 +155,7 @@ class DPFedAvgServer:
                               if p.adaptive_clipping else None)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
         self.ledger = PrivacyLedger()
+        self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise), reported per client
         self.round = 0
         self.outputs = RunOutputs(cfg)
 
@@ -164,6 +170,7 @@ class DPFedAvgServer:
             "ledger": self.ledger.state_dict(),
             "disk": self.disk.state_dict() if self.disk else None,
             "adaptive_clip": self.adaptive_clip.state_dict() if self.adaptive_clip else None,
+            "client_ledgers": self.client_ledgers.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -177,6 +184,7 @@ class DPFedAvgServer:
             self.disk.load_state_dict(state["disk"])
         if self.adaptive_clip:
             self.adaptive_clip.load_state_dict(state["adaptive_clip"])
+        self.client_ledgers.load_state_dict(state["client_ledgers"])
 
     def _round_event(self) -> GaussianRound:
         """This round's accounting event: the sampler's, or the emulated deployment's."""
@@ -193,7 +201,12 @@ class DPFedAvgServer:
                f"emulation: this simulation used cohort {p.expected_cohort} of {self.population} users with "
                f"noise scaled by {p.expected_cohort}/{p.noise_cohort}; the epsilon does NOT hold for the simulation)"
                if p.noise_cohort else f"this run: cohort {p.expected_cohort} of {self.population} users")
-        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}"
+        where = {"central": "noise added by the server (trusted server)",
+                 "distributed": "noise shares added by the clients (against the server: assumes secure "
+                                "aggregation, and holds only in rounds whose server_noise_std top-up is 0)",
+                 "local": "noise added by each client to its own upload (per-client local epsilon in "
+                          "client_privacy.csv)"}[p.placement]
+        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}"
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
@@ -236,6 +249,10 @@ class DPFedAvgServer:
                    "majority_baseline_accuracy": self.task.majority_baseline,
                    "privacy_claim": self.privacy_claim(),
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
+        if len(self.client_ledgers):  # per-client guarantees: a file with every client, extremes in the summary
+            p = self.cfg.privacy
+            self.client_ledgers.write_csv(self.outputs.dir / "client_privacy.csv", self.delta, list(p.accountants))
+            summary.update(self.client_ledgers.summary(self.delta, p.budget_accountant))
         self.outputs.finish(summary)
         return summary
 
@@ -275,7 +292,8 @@ class DPFedAvgServer:
         else:
             clip_norm, value_z = p.clip_norm, p.simulated_noise_multiplier
         agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_z,
-                         expected_cohort=float(p.expected_cohort), device=self.cfg.device)
+                         expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
+        partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
         for reply in grid.send_and_receive(messages):
             src = reply.metadata.src_node_id
@@ -283,6 +301,8 @@ class DPFedAvgServer:
                 log.warning("round %d: ignoring unexpected reply from node %s", self.round, src)
                 continue
             expected.discard(src)
+            if p.placement == "local" and not reply.has_error():  # the client released a noised upload
+                self.client_ledgers.compose(partition_of[src], local_upload_event(p.noise_multiplier))
             if reply.has_error():
                 log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
                 agg.add_(None)
@@ -309,6 +329,7 @@ class DPFedAvgServer:
             row.update(evaluate(self.model, self.task.test_features, self.task.test_labels))
         row.update(agg.stats.as_metrics())
         row["clip_norm"] = clip_norm
+        row["server_noise_std"] = agg.server_noise_std()
         if self.adaptive_clip:
             row["unclipped_fraction_released"] = row_unclipped
         row["downlink_bytes_per_client"] = float(downlink)

@@ -22,14 +22,18 @@ NOISE_STREAM = 0x6E6F697365  # "noise": keeps this stream disjoint from other se
 class GaussianNoise:
     """Dedicated generator for the server's Gaussian noise."""
 
-    def __init__(self, seed: int, *, device: str | torch.device = "cpu", secure: bool = False) -> None:
+    def __init__(self, seed: int, *, device: str | torch.device = "cpu", secure: bool = False,
+                 stream: tuple[int, ...] = ()) -> None:
+        """``stream`` names a separate generator of the same run (a client's share in round t:
+        ``(t, partition)``), disjoint from the server's and from every other stream."""
         self.device = torch.device(device)
         self.secure = secure
         self._gen = torch.Generator(device=self.device)
         if secure:
             self._gen.manual_seed(secrets.randbits(63))
         else:
-            self._gen.manual_seed(int(np.random.SeedSequence([seed, NOISE_STREAM]).generate_state(1, np.uint64)[0] >> 1))
+            entropy = [seed, NOISE_STREAM, *stream]
+            self._gen.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1))
 
     def add_(self, target: torch.Tensor, std: float) -> None:
         """Add ``N(0, std^2)`` to every coordinate of ``target`` in place (one dense draw)."""
