@@ -11,7 +11,9 @@ The delta is returned as a :class:`~fedprivacy.privacy.aggregation.SparseUpdate`
 coordinates that local SGD can change (``model.update_support(features)`` when the model
 defines it, else all of them). It is the same vector as the dense delta: every other coordinate
 is exactly zero. Afterwards the model is restored to ``x_t`` on those coordinates, so one working
-model serves every client of a round without a full copy.
+model serves every client of a round without a full copy. A model that defines ``support_blocks``
+(sparse logistic regression) instead trains a small copy of just those rows and returns a
+block-sparse delta; the shared model is never written.
 
 References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
 """
@@ -82,6 +84,9 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, 
     because ``update_support`` lists every coordinate the loss on these rows reads or changes.
     The loss is the mean cross-entropy over each batch. With ``lr = 0`` the delta is exactly zero.
     """
+    if hasattr(model, "support_blocks"):
+        return _local_sgd_blocks(model, features, labels, epochs=epochs, batch_size=batch_size, lr=lr, rng=rng,
+                                 start_from=start_from)
     view = FlatView(model)
     device = view.params[0].device
     support = (model.update_support(features) if hasattr(model, "update_support")
@@ -109,6 +114,38 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, 
     finally:  # the working model is x_t again, even if training failed
         view.scatter_(support, origin)
     return LocalResult(update=SparseUpdate(support, values, view.numel),
+                       train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
+
+
+def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
+                      batch_size: int, lr: float, rng: np.random.Generator,
+                      start_from: torch.Tensor | None) -> LocalResult:
+    """:func:`local_sgd` for a model that trains on its support rows alone (``support_blocks``).
+
+    The same SGD on the same batches, on a ``(r, K)`` copy of the rows the client's data touches
+    instead of on the shared model (which is only read): no restore afterwards, and the delta is
+    block-sparse over those rows (the rows' own dense gradient replaces the sparse one; the values
+    agree up to float summation order).
+    """
+    blocks, local = model.support_blocks(features)
+    origin = model.gather_blocks(blocks)
+    k = origin.shape[1]
+    start = origin if start_from is None else start_from.view(-1, k).index_select(0, blocks).to(origin.dtype)
+    theta = start.clone().requires_grad_(True)
+    n = features.shape[0]
+    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(theta.device)
+    loss_sum = 0.0
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        for lo in range(0, n, batch_size):
+            idx = order[lo:lo + batch_size]
+            loss = nn.functional.cross_entropy(model.local_logits(local, idx, theta), y_all[idx])
+            (grad,) = torch.autograd.grad(loss, theta)
+            with torch.no_grad():
+                theta.sub_(grad, alpha=lr)
+            loss_sum += float(loss.detach()) * len(idx)
+    values = theta.detach().sub_(start)
+    return LocalResult(update=SparseUpdate(blocks, values, sum(p.numel() for p in model.parameters())),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
 
 

@@ -7,11 +7,19 @@ rows of ``W`` for words present in it (~1% of the vocabulary), and with ``sparse
 gradient of ``W`` is a sparse tensor, so local SGD never touches the other ~99% of the 5,000,500
 parameters. The math is exactly dense logistic regression (tests check it against ``x @ W + b``).
 
+Local training can also run on the client's rows alone (:meth:`SparseLogisticRegression.support_blocks`,
+:meth:`~SparseLogisticRegression.local_logits`): the flat parameter vector (``bias`` then
+``embedding.weight``) is a ``(1 + V, K)`` matrix whose row 0 is the bias and row ``1 + w`` the
+weights of word ``w``; a client reads and changes only the rows of its words and the bias, so it
+trains a small ``(r, K)`` copy of those rows, and its update is block-sparse over them.
+
 References: AdaDPS (Li et al. 2022, arXiv:2202.05963v2), App. B; TFF's StackOverflow LR baseline
 (Reddi et al. 2021, arXiv:2003.00295v5, App. C).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -53,3 +61,60 @@ class SparseLogisticRegression(nn.Module):
         bias_idx = offsets["bias"] + cols
         parts = sorted([weight_idx, bias_idx], key=lambda t: int(t[0]) if len(t) else -1)
         return torch.cat(parts).to(self.bias.device)
+
+    @property
+    def block_size(self) -> int:
+        """Coordinates per block of the flat vector: the number of classes ``K``."""
+        return self.bias.numel()
+
+    def support_blocks(self, x: sp.csr_matrix) -> tuple[torch.Tensor, LocalRows]:
+        """The blocks training on ``x`` reads or changes, and ``x`` renumbered onto them.
+
+        Returns ``blocks`` (sorted, unique int64: 0 for the bias, ``1 + w`` for word ``w`` present in
+        ``x``) and the rows of ``x`` with column ``w`` renumbered to its position among the words,
+        for :meth:`local_logits`. The same support as :meth:`update_support`, as whole rows.
+        """
+        words, local_cols = np.unique(x.indices, return_inverse=True)
+        blocks = np.empty(len(words) + 1, dtype=np.int64)
+        blocks[0] = 0
+        blocks[1:] = words
+        blocks[1:] += 1
+        local = LocalRows(np.asarray(x.indptr, dtype=np.int64), local_cols.astype(np.int64, copy=False),
+                          np.asarray(x.data, dtype=np.float32))
+        return torch.from_numpy(blocks).to(self.bias.device), local
+
+    @torch.no_grad()
+    def gather_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """A fresh ``(r, K)`` tensor holding the model's rows ``blocks`` (``blocks[0]`` must be 0, the bias)."""
+        out = torch.empty(len(blocks), self.block_size, dtype=self.bias.dtype, device=self.bias.device)
+        out[0] = self.bias
+        torch.index_select(self.embedding.weight, 0, blocks[1:] - 1, out=out[1:])
+        return out
+
+    @staticmethod
+    def local_logits(local: LocalRows, rows: np.ndarray, theta: torch.Tensor) -> torch.Tensor:
+        """Logits of rows ``rows`` of ``local`` under block parameters ``theta`` (``(r, K)``: bias,
+        then the weight rows of the client's words): the same values as :meth:`forward` on those rows."""
+        indices, offsets, weights = local.bag(rows)
+        device = theta.device
+        return nn.functional.embedding_bag(
+            torch.from_numpy(indices).to(device), theta[1:], torch.from_numpy(offsets).to(device), mode="sum",
+            per_sample_weights=torch.from_numpy(weights).to(device)) + theta[0]
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """A client's CSR rows with columns renumbered to its own words (``0..r-2``)."""
+
+    indptr: np.ndarray
+    columns: np.ndarray
+    values: np.ndarray
+
+    def bag(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``EmbeddingBag`` inputs (indices, offsets, per-sample weights) of ``rows``, in that order."""
+        starts = self.indptr[rows]
+        lengths = self.indptr[rows + 1] - starts
+        offsets = np.zeros(len(rows), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        positions = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+        return self.columns[positions], offsets, self.values[positions]
