@@ -1,8 +1,24 @@
-"""The StackOverflow tag-prediction task: data files, per-user train clients, pooled test set, model.
+"""The StackOverflow tasks: data files, client views, pooled test set, model, loss, metrics.
 
-The population is the training users (sorted TFF client ids, optionally the first
-``data.max_clients``); client ``i`` of the federation is training user ``i``. Evaluation uses
-the pooled ``test`` split (users' posts after 2018-01-01 in TFF's data), example-weighted.
+``data.task`` picks one of three tasks, all with the same interface (``population``,
+``new_model``, ``client_data(i)``, ``loss``, ``evaluate``, ``test_features``/``test_labels``,
+``majority_baseline``, ``public``):
+
+* ``tag`` (default): single-label tag prediction as in AdaDPS, softmax cross-entropy, accuracy
+  (:class:`TagPredictionTask`);
+* ``tag_multilabel``: multi-hot tags as in Reddi et al. (2021), sigmoid binary cross-entropy,
+  recall@5 (:class:`MultiLabelTagTask`);
+* ``next_word``: TFF's next-word prediction, LSTM, accuracy without pad/OOV/EOS
+  (:class:`NextWordTask`).
+
+Views (``data.view``): ``natural``, the population is the training users (sorted TFF client ids,
+optionally the first ``data.max_clients``, optionally a seeded ``data.client_sample`` of those);
+client ``i`` of the federation is user ``i``; evaluation uses the pooled ``test`` split (users'
+posts after 2018-01-01 in TFF's data), example-weighted. ``adadps``: the first ``max_clients``
+(default 400) training users, each split by position into train (the client) and test (pooled).
+``data.max_examples_per_client`` caps each client's training posts; ``data.public_clients``
+loads the first held-out users as a public pool (``task.public``, side information).
+Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`).
 """
 
 from __future__ import annotations
@@ -14,28 +30,43 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+import torch
+from torch import nn
 
 from fedprivacy.config import DataConfig
+from fedprivacy.data.hdf5 import SPLIT_FILES
+from fedprivacy.data.next_word import FederatedTokenData, special_tokens
+from fedprivacy.data.prepared import prepared_tags, prepared_tokens
+from fedprivacy.data.sources import ExampleSource, open_source
 from fedprivacy.data.synthetic import generate
-from fedprivacy.data.tag_prediction import FederatedTagData, load_tag_prediction
+from fedprivacy.data.tag_prediction import FederatedTagData
+from fedprivacy.data.views import Partition, natural, split_by_position
 from fedprivacy.models.logistic import SparseLogisticRegression
+from fedprivacy.models.lstm import NextWordLSTM
+from fedprivacy.models.metrics import masked_accuracy_counts, recall_at_k_counts
 
 log = logging.getLogger(__name__)
 
 SQLITE, WORD_COUNT, TAG_COUNT = "stackoverflow.sqlite", "stackoverflow.word_count", "stackoverflow.tag_count"
+ADADPS_CLIENTS = 400
+"""AdaDPS's federated StackOverflow subset: the first 400 training users (notes/adadps.md §5.1)."""
+EVAL_BATCH = 4096
 
 
-def data_files(cfg: DataConfig) -> tuple[Path, Path, Path]:
-    """The three TFF files in ``cfg.path``."""
-    return cfg.path / SQLITE, cfg.path / WORD_COUNT, cfg.path / TAG_COUNT
+def data_files(cfg: DataConfig) -> tuple[Path, ...]:
+    """The TFF files ``cfg.source`` needs in ``cfg.path``: example file(s), word and tag counts."""
+    examples = ([cfg.path / SQLITE] if cfg.source == "tff-sqlite"
+                else [cfg.path / name for name in SPLIT_FILES.values()])
+    return (*examples, cfg.path / WORD_COUNT, cfg.path / TAG_COUNT)
 
 
 def ensure_data(cfg: DataConfig) -> None:
     """Generate the synthetic data set if it is missing and allowed; otherwise name what is missing."""
-    missing = [p for p in data_files(cfg) if not p.exists()]
+    files = data_files(cfg)
+    missing = [p for p in files if not p.exists()]
     if not missing:
         return
-    if len(missing) < 3 or not cfg.generate_if_missing:
+    if len(missing) < len(files) or not cfg.generate_if_missing:
         raise FileNotFoundError(
             "data file(s) not found: " + ", ".join(str(p) for p in missing)
             + (" (set data.generate_if_missing=true to generate synthetic data)" if not cfg.generate_if_missing else
@@ -43,40 +74,273 @@ def ensure_data(cfg: DataConfig) -> None:
         )
     log.info("generating synthetic StackOverflow data (%d users, seed %d) in %s",
              cfg.synthetic_clients, cfg.synthetic_seed, cfg.path)
-    generate(cfg.path, num_clients=cfg.synthetic_clients, seed=cfg.synthetic_seed)
+    generate(cfg.path, num_clients=cfg.synthetic_clients, seed=cfg.synthetic_seed, format=cfg.source)
+
+
+
+def _cache_root(cfg: DataConfig) -> Path | None:
+    if not cfg.cache:
+        return None
+    return cfg.cache_dir if cfg.cache_dir is not None else cfg.path / ".fedprivacy-cache"
+
+
+def _split_views(cfg: DataConfig, prepare) -> tuple[object, Partition, object, slice | np.ndarray, object]:
+    """Loads (through the cache) the training users, the evaluation rows and the public pool.
+
+    ``prepare(source, split, first=, sample=, seed=, cache_root=)`` is :func:`prepared_tags` or
+    :func:`prepared_tokens` with the task options bound. Returns ``(train data, train partition,
+    test data, test rows, public data or None)``; test rows are a slice (natural view) or row
+    indices into the test data (adadps view, where the test data is the training users' data).
+    """
+    source: ExampleSource = open_source(cfg.source, cfg.path)
+    root = _cache_root(cfg)
+    first = ADADPS_CLIENTS if cfg.view == "adadps" and cfg.max_clients is None else cfg.max_clients
+    train, status = prepare(source, "train", first=first, sample=cfg.client_sample,
+                            seed=cfg.client_sample_seed, cache_root=root)
+    log.info("train split: %d users, %d posts (cache: %s)", train.num_clients, train.offsets[-1], status)
+    if cfg.view == "adadps":
+        partition, held = split_by_position(train.offsets, cfg.train_fraction)
+        test, rows = train, held.rows()[:cfg.max_test_examples]
+    else:
+        partition = natural(train.offsets)
+        test, status = prepare(source, "test", cache_root=root)
+        log.info("test split: %d users, %d posts (cache: %s)", test.num_clients, test.offsets[-1], status)
+        rows = slice(0, cfg.max_test_examples)
+    public = None
+    if cfg.public_clients:
+        public, _ = prepare(source, "heldout", first=cfg.public_clients, cache_root=root)
+    return train, partition.capped(cfg.max_examples_per_client), test, rows, public
+
+
+def _take(values, rows: slice | np.ndarray):
+    """Rows of an array or CSR matrix as a private, writable copy."""
+    taken = values[rows]
+    return taken.copy() if isinstance(taken, (np.ndarray, sp.csr_matrix)) else taken
 
 
 @dataclass(frozen=True)
 class TagPredictionTask:
-    """Loaded data for one run (shared by the server and every in-process client)."""
+    """Single-label tag prediction (AdaDPS): softmax regression, cross-entropy, accuracy.
+
+    Attributes:
+        train: Preprocessed posts of the selected training users (possibly memory-mapped).
+        partition: Rows of ``train`` owned by each client.
+        test_features, test_labels: The pooled evaluation set.
+        public: The public pool (held-out users), or None.
+    """
 
     train: FederatedTagData
+    partition: Partition
     test_features: sp.csr_matrix
     test_labels: np.ndarray
+    public: FederatedTagData | None = None
 
     @property
     def population(self) -> int:
-        return self.train.num_clients
+        return self.partition.num_clients
 
     @property
     def majority_baseline(self) -> float:
         """Test accuracy of always predicting the most frequent training label."""
-        majority = np.bincount(self.train.labels, minlength=self.train.num_tags).argmax()
+        labels = self.train.labels[self.partition.rows()]
+        majority = np.bincount(labels, minlength=self.train.num_tags).argmax()
         return float(np.mean(self.test_labels == majority)) if len(self.test_labels) else float("nan")
 
     def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
         return SparseLogisticRegression(self.train.vocab_size, self.train.num_tags).to(device)
 
     def client_data(self, index: int) -> tuple[sp.csr_matrix, np.ndarray]:
-        return self.train.client(index)
+        rows = slice(self.partition.starts[index], self.partition.stops[index])
+        return _take(self.train.features, rows), _take(self.train.labels, rows)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: np.ndarray) -> torch.Tensor:
+        """Mean softmax cross-entropy over the batch."""
+        return nn.functional.cross_entropy(logits, torch.as_tensor(labels, dtype=torch.long, device=logits.device))
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Example-weighted test loss and accuracy."""
+        from fedprivacy.client.trainer import evaluate
+
+        return evaluate(model, self.test_features, self.test_labels)
+
+
+@dataclass(frozen=True)
+class MultiLabelTagTask:
+    """Multi-label tag prediction (Reddi et al. 2021, App. C; TFF ``tag_prediction_tasks``).
+
+    The same logistic-regression model, with an independent sigmoid per tag:
+    ``loss = mean over the batch and the K tags of BCE(sigmoid(logit_k), t_k)``. TFF's Keras
+    loss is the per-post mean over tags summed over the batch (``Reduction.SUM``); the mean here
+    is that divided by the batch size, i.e. a rescaled learning rate. Metric: recall@5
+    (:func:`~fedprivacy.models.metrics.recall_at_k_counts`).
+
+    Attributes:
+        train: Preprocessed posts of the selected training users (``train.tags`` the targets).
+        partition: Rows of ``train`` owned by each client.
+        test_features: Pooled evaluation bags of words.
+        test_labels: Their multi-hot tags (CSR, ``(n, num_tags)``).
+        public: The public pool (held-out users), or None.
+    """
+
+    train: FederatedTagData
+    partition: Partition
+    test_features: sp.csr_matrix
+    test_labels: sp.csr_matrix
+    public: FederatedTagData | None = None
+
+    @property
+    def population(self) -> int:
+        return self.partition.num_clients
+
+    @property
+    def majority_baseline(self) -> float:
+        """Test recall@5 of always predicting the 5 most frequent training tags."""
+        counts = np.asarray(self.train.tags[self.partition.rows()].sum(axis=0)).ravel()
+        top = np.argsort(-counts, kind="stable")[:5]
+        positives = self.test_labels.sum()
+        return float(self.test_labels[:, top].sum() / positives) if positives else float("nan")
+
+    def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
+        return SparseLogisticRegression(self.train.vocab_size, self.train.num_tags).to(device)
+
+    def client_data(self, index: int) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+        rows = slice(self.partition.starts[index], self.partition.stops[index])
+        return _take(self.train.features, rows), _take(self.train.tags, rows)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, tags: sp.csr_matrix) -> torch.Tensor:
+        """Mean binary cross-entropy with logits over the batch and the tags."""
+        target = torch.as_tensor(tags.toarray(), dtype=logits.dtype, device=logits.device)
+        return nn.functional.binary_cross_entropy_with_logits(logits, target)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Test loss (mean BCE per post) and recall@5 over all test posts."""
+        model.eval()
+        n = self.test_features.shape[0]
+        if n == 0:
+            return {"test_loss": float("nan"), "test_recall_at_5": float("nan")}
+        loss_sum, hits, positives = 0.0, 0, 0
+        for lo in range(0, n, EVAL_BATCH):
+            logits = model(self.test_features[lo:lo + EVAL_BATCH])
+            target = torch.as_tensor(self.test_labels[lo:lo + EVAL_BATCH].toarray(), dtype=logits.dtype,
+                                     device=logits.device)
+            loss_sum += float(nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="sum"))
+            h, p = recall_at_k_counts(logits, target, k=5)
+            hits, positives = hits + h, positives + p
+        return {"test_loss": loss_sum / (n * self.train.num_tags),
+                "test_recall_at_5": hits / positives if positives else float("nan")}
+
+
+@dataclass(frozen=True)
+class NextWordTask:
+    """Next-word prediction (TFF baseline; Reddi et al. 2021): LSTM, masked cross-entropy, accuracy.
+
+    Loss: mean cross-entropy over the positions whose target is not pad. Accuracy
+    (``test_accuracy``): TFF's ``accuracy_without_out_of_vocab_or_end_of_sentence``, i.e. argmax
+    over all ``V + 4`` classes against targets that are not pad, OOV or EOS;
+    ``test_accuracy_with_oov_eos`` masks pad only (TFF's ``accuracy``).
+
+    Attributes:
+        train: Token rows of the selected training users.
+        partition: Rows of ``train`` owned by each client.
+        test_tokens: Pooled evaluation rows ``(n, seq_len + 1)``.
+        public: The public pool (held-out users), or None.
+    """
+
+    train: FederatedTokenData
+    partition: Partition
+    test_tokens: np.ndarray
+    public: FederatedTokenData | None = None
+
+    @property
+    def population(self) -> int:
+        return self.partition.num_clients
+
+    @property
+    def test_features(self) -> np.ndarray:
+        return self.test_tokens[:, :-1]
+
+    @property
+    def test_labels(self) -> np.ndarray:
+        return self.test_tokens[:, 1:]
+
+    @property
+    def _masked(self) -> tuple[int, ...]:
+        special = special_tokens(self.train.vocab_size)
+        return special.pad, special.oov, special.eos
+
+    @property
+    def majority_baseline(self) -> float:
+        """Test accuracy of always predicting the most frequent counted training target."""
+        targets = self.train.tokens[self.partition.rows(), 1:].ravel()
+        special = special_tokens(self.train.vocab_size)
+        counts = np.bincount(targets, minlength=special.num_classes)
+        counts[list(self._masked)] = 0
+        test = np.asarray(self.test_labels)
+        counted = ~np.isin(test, self._masked)
+        correct = counted & (test == counts.argmax())
+        return float(correct.sum() / counted.sum()) if counted.any() else float("nan")
+
+    def new_model(self, device: str = "cpu") -> NextWordLSTM:
+        return NextWordLSTM(special_tokens(self.train.vocab_size).num_classes).to(device)
+
+    def client_data(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.array(self.train.tokens[self.partition.starts[index]:self.partition.stops[index]], dtype=np.int64)
+        return rows[:, :-1], rows[:, 1:]
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: np.ndarray) -> torch.Tensor:
+        """Mean cross-entropy over non-pad target positions."""
+        y = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=logits.device)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batch_size: int = 256) -> dict[str, float]:
+        """Test loss (per non-pad target) and TFF's two accuracies."""
+        model.eval()
+        loss_sum, tokens, correct, counted, correct_all, counted_all = 0.0, 0, 0, 0, 0, 0
+        for lo in range(0, len(self.test_tokens), batch_size):
+            x = np.asarray(self.test_features[lo:lo + batch_size], dtype=np.int64)
+            y = torch.as_tensor(np.asarray(self.test_labels[lo:lo + batch_size], dtype=np.int64))
+            logits = model(x).cpu()
+            loss_sum += float(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0,
+                                                          reduction="sum"))
+            tokens += int((y != 0).sum())
+            c, k = masked_accuracy_counts(logits, y, self._masked)
+            correct, counted = correct + c, counted + k
+            c, k = masked_accuracy_counts(logits, y, (0,))
+            correct_all, counted_all = correct_all + c, counted_all + k
+        nan = float("nan")
+        return {"test_loss": loss_sum / tokens if tokens else nan,
+                "test_accuracy": correct / counted if counted else nan,
+                "test_accuracy_with_oov_eos": correct_all / counted_all if counted_all else nan}
+
+
+Task = TagPredictionTask | MultiLabelTagTask | NextWordTask
 
 
 @functools.lru_cache(maxsize=2)
-def load_task(cfg: DataConfig) -> TagPredictionTask:
-    """Load (once per process and config) the train clients and the pooled test set."""
-    sqlite, word_count, tag_count = data_files(cfg)
-    opts = dict(vocab_size=cfg.vocab_size, num_tags=cfg.num_tags, no_tag=cfg.no_tag)
-    train = load_tag_prediction(sqlite, word_count, tag_count, "train", max_clients=cfg.max_clients, **opts)
-    test = load_tag_prediction(sqlite, word_count, tag_count, "test", **opts)
-    n_test = test.features.shape[0] if cfg.max_test_examples is None else min(cfg.max_test_examples, test.features.shape[0])
-    return TagPredictionTask(train=train, test_features=test.features[:n_test], test_labels=test.labels[:n_test])
+def load_task(cfg: DataConfig) -> Task:
+    """Load (once per process and config) the task ``cfg.task``: client views, evaluation set, public pool."""
+    if cfg.task == "next_word":
+        def prepare_tokens(source, split, **kw):
+            return prepared_tokens(source, split, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **kw)
+
+        train, partition, test, rows, public = _split_views(cfg, prepare_tokens)
+        return NextWordTask(train=train, partition=partition, test_tokens=_take(test.tokens, rows), public=public)
+
+    def prepare_tags(source, split, **kw):
+        return prepared_tags(source, split, vocab_size=cfg.vocab_size, num_tags=cfg.num_tags, no_tag=cfg.no_tag, **kw)
+
+    train, partition, test, rows, public = _split_views(cfg, prepare_tags)
+    if train.num_dropped:
+        log.info("dropped %d training posts without a tag in the top %d (data.no_tag=drop)", train.num_dropped,
+                 cfg.num_tags)
+    features = _take(test.features, rows)
+    if cfg.task == "tag_multilabel":
+        return MultiLabelTagTask(train=train, partition=partition, test_features=features,
+                                 test_labels=_take(test.tags, rows), public=public)
+    return TagPredictionTask(train=train, partition=partition, test_features=features,
+                             test_labels=_take(test.labels, rows), public=public)

@@ -17,7 +17,12 @@ Per post (TFF's ``tag_prediction_preprocessing``, used by the AdaDPS code):
 
 A post with no in-vocabulary tag has an all-zero multi-hot vector, whose argmax
 is 0: ``no_tag="label0"`` keeps that quirk of the AdaDPS code, ``no_tag="drop"``
-drops such posts instead.
+drops such posts instead (and counts them in ``num_dropped``).
+
+The multi-hot vector itself is kept too (``tags``, a CSR matrix): it is the target
+of the multi-label task of Reddi et al. (2021, arXiv:2003.00295, App. C; TFF's
+``tag_prediction_tasks``: sigmoid outputs, binary cross-entropy, recall@5). There
+``no_tag="label0"`` keeps the post with its all-zero target, as TFF does.
 """
 
 from __future__ import annotations
@@ -31,13 +36,8 @@ import numpy as np
 import pandas as pd
 from scipy import sparse
 
-from fedprivacy.data.stackoverflow import (
-    DataFormatError,
-    client_ids as split_client_ids,
-    iter_client_examples,
-    read_tag_counts,
-    read_word_counts,
-)
+from fedprivacy.data.sources import ExampleSource, open_source
+from fedprivacy.data.stackoverflow import DataFormatError, read_tag_counts, read_word_counts
 
 __all__ = ["FederatedTagData", "load_tag_prediction"]
 
@@ -53,23 +53,30 @@ class FederatedTagData:
             normalized bags of words.
         labels: int64 array, shape ``(num_examples,)``, values in
             ``[0, num_tags)``.
+        tags: float32 CSR matrix, shape ``(num_examples, num_tags)``: the
+            multi-hot vectors (1 for each in-vocabulary tag of the post).
         offsets: int64 array, shape ``(num_clients + 1,)``: client ``i`` owns
             rows ``offsets[i]:offsets[i + 1]`` (possibly none).
         client_ids: The clients, in row order (sorted).
         vocab_size: Number of feature columns.
         num_tags: Number of classes.
+        num_dropped: Posts dropped because no tag was in the vocabulary
+            (``no_tag="drop"``); 0 otherwise.
     """
 
     features: sparse.csr_matrix
     labels: np.ndarray
+    tags: sparse.csr_matrix
     offsets: np.ndarray
     client_ids: tuple[str, ...]
     vocab_size: int
     num_tags: int
+    num_dropped: int = 0
 
     def __post_init__(self) -> None:
         n = self.features.shape[0]
         if (self.features.shape[1] != self.vocab_size or self.labels.shape != (n,)
+                or self.tags.shape != (n, self.num_tags)
                 or self.offsets.shape != (len(self.client_ids) + 1,)
                 or self.offsets[0] != 0 or self.offsets[-1] != n
                 or np.any(np.diff(self.offsets) < 0)):
@@ -88,12 +95,15 @@ class FederatedTagData:
 
 @dataclass
 class _ClientRows:
-    """CSR pieces of one client: per-row nonzero counts, columns, values, labels."""
+    """CSR pieces of one client: per-row nonzero counts, columns, values, labels, tag sets."""
 
     row_nnz: np.ndarray
     columns: np.ndarray
     values: np.ndarray
     labels: np.ndarray
+    tag_nnz: np.ndarray
+    tag_columns: np.ndarray
+    dropped: int
 
 
 def _feature(example: Mapping[str, list], name: str, where: str) -> bytes:
@@ -110,13 +120,15 @@ def _client_rows(examples: Sequence[Mapping[str, list]], word_index: pd.Index,
     words: list[bytes] = []
     lengths: list[int] = []
     labels: list[int] = []
+    tag_sets: list[list[int]] = []
     for j, example in enumerate(examples):
         context = f"{where}, example {j}"
-        known = [tag_index[t] for t in _feature(example, "tags", context).split(b"|")
-                 if t in tag_index]
+        known = sorted({tag_index[t] for t in _feature(example, "tags", context).split(b"|")
+                        if t in tag_index})
         if not known and no_tag == "drop":
             continue
-        labels.append(min(known, default=0))
+        labels.append(known[0] if known else 0)
+        tag_sets.append(known)
         text = (_feature(example, "tokens", context) + b" "
                 + _feature(example, "title", context)).split()
         words.extend(text)
@@ -132,17 +144,30 @@ def _client_rows(examples: Sequence[Mapping[str, list]], word_index: pd.Index,
                        columns=(keys % vocab_size).astype(np.int32),
                        values=(counts / np.asarray(lengths, np.float64)[key_rows])
                        .astype(np.float32),
-                       labels=np.asarray(labels, dtype=np.int64))
+                       labels=np.asarray(labels, dtype=np.int64),
+                       tag_nnz=np.fromiter(map(len, tag_sets), np.int64, n),
+                       tag_columns=np.fromiter((t for ts in tag_sets for t in ts), np.int32),
+                       dropped=len(examples) - n)
 
 
-def load_tag_prediction(sqlite_path: str | Path, word_count_path: str | Path,
+def _csr(row_nnz: np.ndarray, columns: np.ndarray, values: np.ndarray,
+         width: int) -> sparse.csr_matrix:
+    """A CSR matrix from per-row nonzero counts and the concatenated columns/values."""
+    indptr = np.zeros(len(row_nnz) + 1, dtype=np.int64)
+    np.cumsum(row_nnz, out=indptr[1:])
+    return sparse.csr_matrix((values, columns, indptr), shape=(len(row_nnz), width))
+
+
+def load_tag_prediction(source: ExampleSource | str | Path, word_count_path: str | Path,
                         tag_count_path: str | Path, split: str, *, vocab_size: int = 10_000,
                         num_tags: int = 500, no_tag: NoTag = "label0",
-                        max_clients: int | None = None) -> FederatedTagData:
+                        max_clients: int | None = None,
+                        clients: Sequence[str] | None = None) -> FederatedTagData:
     """Loads a split of StackOverflow as federated tag-prediction data.
 
     Args:
-        sqlite_path: ``stackoverflow.sqlite`` (TFF's or synthetic).
+        source: The examples (:class:`~fedprivacy.data.sources.ExampleSource`), or the path
+            of a ``stackoverflow.sqlite`` (TFF's or synthetic).
         word_count_path: ``stackoverflow.word_count``.
         tag_count_path: ``stackoverflow.tag_count``.
         split: ``"train"``, ``"heldout"`` or ``"test"``.
@@ -154,6 +179,8 @@ def load_tag_prediction(sqlite_path: str | Path, word_count_path: str | Path,
         max_clients: Keep only the first ``max_clients`` clients in sorted
             client-id order (AdaDPS uses the first 400 train clients);
             ``None`` keeps all.
+        clients: Read exactly these clients (sorted on output) instead;
+            not together with ``max_clients``.
 
     Returns:
         The preprocessed population. Clients left without examples (after
@@ -171,31 +198,35 @@ def load_tag_prediction(sqlite_path: str | Path, word_count_path: str | Path,
         raise ValueError(f"no_tag must be 'label0' or 'drop', got {no_tag!r}")
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1 or None, got {max_clients}")
+    if max_clients is not None and clients is not None:
+        raise ValueError("pass max_clients or clients, not both")
+    if not isinstance(source, ExampleSource):
+        source = open_source("tff-sqlite", source)
 
     words = [w.encode("utf-8") for w in read_word_counts(word_count_path, vocab_size)]
     word_index = pd.Index(words, dtype=object)
     tags = list(read_tag_counts(tag_count_path))[:num_tags]
     tag_index = {tag.encode("utf-8"): i for i, tag in enumerate(tags)}
-    wanted = None
+    wanted = clients
     if max_clients is not None:
-        wanted = split_client_ids(sqlite_path, split)[:max_clients]
+        wanted = source.client_ids(split)[:max_clients]
 
     ids: list[str] = []
     parts: list[_ClientRows] = []
-    for client, examples in iter_client_examples(sqlite_path, split, wanted):
+    where = source.split_file(split)
+    for client, examples in source.iter_client_examples(split, wanted):
         ids.append(client)
         parts.append(_client_rows(examples, word_index, tag_index, no_tag,
-                                  f"{sqlite_path}: client {client!r}"))
+                                  f"{where}: client {client!r}"))
 
-    row_nnz = np.concatenate([p.row_nnz for p in parts])
-    indptr = np.zeros(len(row_nnz) + 1, dtype=np.int64)
-    np.cumsum(row_nnz, out=indptr[1:])
-    features = sparse.csr_matrix(
-        (np.concatenate([p.values for p in parts]), np.concatenate([p.columns for p in parts]),
-         indptr), shape=(len(row_nnz), vocab_size))
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    features = _csr(joined("row_nnz"), joined("columns"), joined("values"), vocab_size)
+    tag_columns = joined("tag_columns")
+    tags = _csr(joined("tag_nnz"), tag_columns, np.ones(len(tag_columns), np.float32), num_tags)
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([len(p.labels) for p in parts], out=offsets[1:])
-    return FederatedTagData(features=features,
-                            labels=np.concatenate([p.labels for p in parts]),
+    return FederatedTagData(features=features, labels=joined("labels"), tags=tags,
                             offsets=offsets, client_ids=tuple(ids), vocab_size=vocab_size,
-                            num_tags=num_tags)
+                            num_tags=num_tags, num_dropped=sum(p.dropped for p in parts))

@@ -1,0 +1,109 @@
+"""Preprocessed StackOverflow splits through the cache: select users, preprocess once, map.
+
+:func:`prepared_tags` and :func:`prepared_tokens` return the tag-prediction and next-word
+arrays of one split for a user selection: the first ``first`` users in sorted client-id order
+(AdaDPS: 400), then optionally a seeded uniform ``sample`` of them. The cache key
+(:mod:`fedprivacy.data.cache`) holds the selection *spec*, the preprocessing options and the
+source format and path; the identities of the example, word-count and tag-count files decide
+whether an entry is fresh. A fresh entry is memory-mapped: no file is parsed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedprivacy.data.cache import csr_arrays, csr_from_arrays, load_or_build
+from fedprivacy.data.next_word import FederatedTokenData, load_next_word
+from fedprivacy.data.sources import ExampleSource, file_identity
+from fedprivacy.data.tag_prediction import FederatedTagData, NoTag, load_tag_prediction
+from fedprivacy.data.views import sample_clients
+
+__all__ = ["prepared_tags", "prepared_tokens"]
+
+
+def _selection(first: int | None, sample: int | None, seed: int) -> dict:
+    return {"first": first, "sample": sample, "seed": seed if sample is not None else None}
+
+
+def _select_ids(source: ExampleSource, split: str, first: int | None, sample: int | None,
+                seed: int) -> list[str] | None:
+    """The selected client ids (``None``: every client of the split)."""
+    if first is None and sample is None:
+        return None
+    ids = source.client_ids(split)[:first]
+    if sample is not None:
+        ids = [ids[i] for i in sample_clients(len(ids), sample, seed)]
+    return ids
+
+
+def _common(source: ExampleSource, split: str, first: int | None, sample: int | None,
+            seed: int) -> tuple[dict, dict]:
+    config = {"split": split, "source": source.format,
+              "examples": str(source.split_file(split).resolve()),
+              "clients": _selection(first, sample, seed)}
+    identities = {"examples": source.identity(split),
+                  "word_count": file_identity(source.word_count)}
+    return config, identities
+
+
+def _client_ids(arrays: dict) -> tuple[str, ...]:
+    return tuple(arrays["client_ids"].tolist())
+
+
+def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tags: int,
+                  no_tag: NoTag, first: int | None = None, sample: int | None = None,
+                  seed: int = 0, cache_root: Path | None = None
+                  ) -> tuple[FederatedTagData, str]:
+    """Tag-prediction data of a split (see :func:`~fedprivacy.data.tag_prediction.load_tag_prediction`).
+
+    Returns:
+        The data and the cache status (``hit``, ``built``, ``rebuilt`` or ``disabled``).
+    """
+    config, identities = _common(source, split, first, sample, seed)
+    config.update(task="tag", vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag)
+    identities["tag_count"] = file_identity(source.tag_count)
+
+    def build() -> tuple[dict, dict]:
+        data = load_tag_prediction(source, source.word_count, source.tag_count, split,
+                                   vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag,
+                                   clients=_select_ids(source, split, first, sample, seed))
+        arrays = {**csr_arrays("features", data.features), **csr_arrays("tags", data.tags),
+                  "labels": data.labels, "offsets": data.offsets,
+                  "client_ids": np.array(data.client_ids, dtype=str)}
+        return arrays, {"num_dropped": data.num_dropped}
+
+    arrays, meta, status = load_or_build(cache_root, f"tag-{split}", config, identities, build)
+    data = FederatedTagData(
+        features=csr_from_arrays(arrays, "features", vocab_size), labels=arrays["labels"],
+        tags=csr_from_arrays(arrays, "tags", num_tags), offsets=arrays["offsets"],
+        client_ids=_client_ids(arrays), vocab_size=vocab_size, num_tags=num_tags,
+        num_dropped=meta["num_dropped"])
+    return data, status
+
+
+def prepared_tokens(source: ExampleSource, split: str, *, vocab_size: int, seq_len: int,
+                    first: int | None = None, sample: int | None = None, seed: int = 0,
+                    cache_root: Path | None = None) -> tuple[FederatedTokenData, str]:
+    """Next-word data of a split (see :func:`~fedprivacy.data.next_word.load_next_word`).
+
+    Returns:
+        The data and the cache status.
+    """
+    config, identities = _common(source, split, first, sample, seed)
+    config.update(task="next_word", vocab_size=vocab_size, seq_len=seq_len)
+
+    def build() -> tuple[dict, dict]:
+        data = load_next_word(source, source.word_count, split, vocab_size=vocab_size,
+                              seq_len=seq_len,
+                              clients=_select_ids(source, split, first, sample, seed))
+        return {"tokens": data.tokens, "offsets": data.offsets,
+                "client_ids": np.array(data.client_ids, dtype=str)}, {}
+
+    arrays, _, status = load_or_build(cache_root, f"next_word-{split}", config, identities,
+                                      build)
+    data = FederatedTokenData(tokens=arrays["tokens"], offsets=arrays["offsets"],
+                              client_ids=_client_ids(arrays), vocab_size=vocab_size,
+                              seq_len=seq_len)
+    return data, status
