@@ -273,15 +273,6 @@ class RunConfig(_Section):
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
 
-    @model_validator(mode="after")
-    def _adambc_needs_a_fixed_phi(self) -> RunConfig:
-        if self.server.optimizer == "adambc" and self.privacy.adaptive_clipping is not None:
-            raise ValueError(
-                "server.optimizer='adambc' with privacy.adaptive_clipping: the noise variance Phi would change "
-                "every round, and a per-round Phi for DP-FedAdamBC is not implemented yet"
-            )
-        return self
-
     def to_json(self) -> str:
         """Serialise (round-trips through :func:`config_from_json`)."""
         return self.model_dump_json()

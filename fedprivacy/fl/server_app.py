@@ -30,10 +30,10 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.trainer import evaluate
-from fedprivacy.config import MicroAdamConfig, RunConfig, config_from_json, load_config
+from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig, config_from_json, load_config
 from fedprivacy.fl.records import model_to_record, record_to_update
 from fedprivacy.optim.disk import DiskFilter
-from fedprivacy.optim.adambc import dp_noise_variance
+from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilons, would_exceed
@@ -86,6 +86,13 @@ def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_
     return [by_partition[p] for p in range(population)]
 
 
+def value_noise(p: PrivacyConfig) -> float:
+    """Noise multiplier of the value release on the SIMULATED sum: z (z m / M when emulating cohort M),
+    inflated under adaptive clipping so value and count compose to z (Andrew et al. Thm. 1)."""
+    z = p.simulated_noise_multiplier
+    return value_noise_multiplier(z, p.count_stddev) if p.adaptive_clipping else z
+
+
 def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> ServerOptimizer:
     """The configured server optimizer; DP-FedAdamBC's Phi is derived from the mechanism's noise."""
     s, p = cfg.server, cfg.privacy
@@ -94,10 +101,9 @@ def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> 
         settings["momentum"] = s.momentum
     if s.optimizer == "adambc":
         # Phi: the per-coordinate noise variance in g_t, (z C / M)^2 with M the (emulated) cohort
-        # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m)
-        settings["phi"] = (dp_noise_variance(p.noise_multiplier, p.clip_norm, p.accounting_cohort)
-                           if p.placement == "central" else
-                           released_noise_variance(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort))
+        # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m). With
+        # adaptive clipping it changes every round: the server sets each round's (set_phi).
+        settings["phi"] = released_noise_variance(p.placement, value_noise(p), p.clip_norm, p.expected_cohort)
         settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
     if s.optimizer == "microadam":
         m = s.microadam or MicroAdamConfig()
@@ -286,12 +292,8 @@ class DPFedAvgServer:
             for i in cohort
         ]
         p = self.cfg.privacy
-        if self.adaptive_clip:  # value noise inflated so value + count compose to z (Andrew et al. Thm. 1)
-            clip_norm = self.adaptive_clip.clip_norm
-            value_z = value_noise_multiplier(p.simulated_noise_multiplier, p.count_stddev)
-        else:
-            clip_norm, value_z = p.clip_norm, p.simulated_noise_multiplier
-        agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_z,
+        clip_norm = self.adaptive_clip.clip_norm if self.adaptive_clip else p.clip_norm
+        agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_noise(p),
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
         partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
@@ -313,6 +315,9 @@ class DPFedAvgServer:
             elif update is not None:
                 log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
         dropped = len(expected)
+        if isinstance(self.optimizer, ServerAdamBC):  # this round's Phi_t (C_t moves under adaptive clipping)
+            self.optimizer.set_phi(released_noise_variance(p.placement, agg.noise_multiplier, agg.clip_norm,
+                                                           agg.expected_cohort))
         self._privatize_and_step(agg)
         if self.adaptive_clip:  # its count draw follows the value draw on the same generator
             st = agg.stats

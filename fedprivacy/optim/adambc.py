@@ -38,11 +38,16 @@ Departures from the paper, each deliberate:
 * γ′ is constant. The authors' code has a ``gamma_decay`` option and App. G suggests a
   decreasing schedule; neither is implemented.
 
-Not yet implemented (each needs pipeline hooks, not optimizer math): ``Phi`` for a divisor equal
-to the REALIZED cohort (a time-varying, bias-corrected EMA of ``(zC/m_t)^2``; this pipeline always
-divides by the expected cohort, so it does not arise today), and other noise placements (local
-DP, ``Phi = z_l^2 C^2 / m``; sample-level DP inside clients; weighted aggregation). Distributed
-noise (each client adds ``N(0, z^2 C^2 / m)``) gives the same ``Phi`` as central noise.
+Time-varying noise: when the per-round variance :math:`\Phi_t` changes (adaptive clipping moves
+C_t; heterogeneous rounds), the bias of ``v`` is the same EMA of the :math:`\Phi_\tau` that ``v`` is
+of the :math:`g_\tau^2`: :math:`\bar\Phi_t = \beta_2 \bar\Phi_{t-1} + (1-\beta_2)\Phi_t`,
+:math:`\bar\Phi_0 = 0`; the corrected update subtracts :math:`\bar\Phi_t / (1-\beta_2^t)`, the
+un-corrected one :math:`\bar\Phi_t` (``notes/adambc.md`` §5, table of settings). Set the round's
+value with :meth:`ServerAdamBC.set_phi` before its step. For a constant Φ this is exactly the
+formulas above (:math:`\bar\Phi_t = (1-\beta_2^t)\Phi`). A divisor equal to the REALIZED cohort,
+the other source of a time-varying Φ in the notes, is refused by this pipeline on privacy grounds
+(invariant 2: the divisor is the fixed expected cohort). Noise placements set Φ through
+:func:`fedprivacy.privacy.placement.released_noise_variance` (local noise: :math:`z^2C^2/m`).
 
 Precision: ``v_hat - Phi`` is a difference of nearly equal numbers when noise dominates; state
 has the dtype of ``params`` and must be float32 or wider (bf16/fp16 destroy it, notes §7 item 5).
@@ -118,15 +123,31 @@ class ServerAdamBC(AdaptiveServerOptimizer):
             raise ValueError(f"gamma_prime must be > 0, got {gamma_prime}")
         self.beta2 = beta2
         self.phi = phi
+        self.phi_ema = 0.0  # Phi-bar_t, the EMA of the per-round Phi_t (module docstring)
         self.gamma_prime = gamma_prime
         self.corrected_v = corrected_v
 
+    def set_phi(self, phi: float) -> None:
+        """Φ_t of the NEXT step's ``g`` (public: from the mechanism's parameters only)."""
+        if phi < 0.0:
+            raise ValueError(f"phi must be >= 0, got {phi}")
+        self.phi = phi
+
     def _accumulate_(self, v: torch.Tensor, g: torch.Tensor) -> None:
         adam_second_moment_(v, g, self.beta2)
+        self.phi_ema = self.beta2 * self.phi_ema + (1.0 - self.beta2) * self.phi
 
     def _denominator(self, v: torch.Tensor, t: int) -> torch.Tensor:
         if self.corrected_v:
-            shifted = (v / (1.0 - self.beta2**t)).sub_(self.phi)
+            correction = 1.0 - self.beta2**t
+            shifted = (v / correction).sub_(self.phi_ema / correction)
         else:
-            shifted = v - (1.0 - self.beta2**t) * self.phi
+            shifted = v - self.phi_ema
         return shifted.clamp_(min=self.gamma_prime).sqrt_()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "phi": self.phi, "phi_ema": self.phi_ema}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.phi, self.phi_ema = float(state["phi"]), float(state["phi_ema"])

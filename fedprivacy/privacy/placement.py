@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from fedprivacy.optim.adambc import dp_noise_variance
 from fedprivacy.privacy.accounting import GaussianRound
 from fedprivacy.privacy.clipping import flat_l2_clip_
 from fedprivacy.privacy.noise import GaussianNoise
@@ -69,7 +70,7 @@ def released_noise_variance(placement: Placement, noise_multiplier: float, clip_
     central and distributed (with top-up, n <= m): :math:`(zC/m)^2`; local: n shares of
     :math:`z^2C^2` divided by :math:`m^2`, with n = m expected: :math:`z^2C^2/m`.
     """
-    phi = (noise_multiplier * clip_norm / expected_cohort) ** 2
+    phi = dp_noise_variance(noise_multiplier, clip_norm, expected_cohort)
     return phi * expected_cohort if placement == "local" else phi
 
 

@@ -201,6 +201,38 @@ def test_dp_bias_of_the_second_moment_is_phi_after_bias_correction_monte_carlo()
 
 
 @pytest.mark.parametrize("corrected", [True, False])
+def test_time_varying_phi_ema_removes_the_bias_in_expectation(corrected):
+    """notes §5: with per-round noise variance Phi_t (adaptive clipping moves C_t) the bias of v is the
+    EMA of the Phi_t: on pure noise (clean g = 0) the shifted moment has mean 0, and a constant-Phi
+    correction would not."""
+    n, b2 = 200_000, 0.8
+    phis = [0.01 * (1 + k % 3) ** 2 for k in range(12)]
+    gen = torch.Generator().manual_seed(3)
+    opt = ServerAdamBC(0.0, phi=phis[0], gamma_prime=1e-9, beta2=b2, corrected_v=corrected)
+    x = torch.zeros(n, dtype=F64)
+    for phi in phis:
+        opt.set_phi(phi)
+        opt.step_(x, math.sqrt(phi) * torch.randn(n, generator=gen, dtype=F64))
+    t = len(phis)
+    ema = sum((1 - b2) * b2 ** (t - k) * phi for k, phi in enumerate(phis, start=1))
+    assert opt.phi_ema == pytest.approx(ema, rel=1e-12)
+    scale = 1 - b2**t if corrected else 1.0
+    v = opt.state_dict()["v"] / scale
+    shifted = v - opt.phi_ema / scale
+    sd = float(v.std()) / math.sqrt(n)
+    assert abs(float(shifted.mean())) < 5 * sd
+    assert abs(float((v - phis[-1]).mean())) > 10 * sd  # the last round's Phi alone is the wrong bias
+
+
+def test_constant_phi_ema_is_the_closed_form_bias():
+    opt = ServerAdamBC(0.1, phi=0.04, gamma_prime=1e-3, beta2=0.99)
+    x = torch.zeros(10, dtype=F64)
+    for t in range(1, 30):
+        opt.step_(x, torch.ones(10, dtype=F64))
+        assert opt.phi_ema == pytest.approx((1 - 0.99**t) * 0.04, rel=1e-12)
+
+
+@pytest.mark.parametrize("corrected", [True, False])
 def test_adambc_with_zero_phi_and_vanishing_gamma_is_adam_without_epsilon(corrected):
     gen = torch.Generator().manual_seed(5)
     gs = [torch.randn(200, generator=gen, dtype=F64) for _ in range(5)]

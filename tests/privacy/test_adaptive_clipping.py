@@ -73,8 +73,21 @@ def test_value_noise_is_the_inflated_multiplier(small_config):
     assert float(change.std()) == pytest.approx(value_noise_multiplier(z, 1.0) * c0 / m, rel=0.01)
 
 
-def test_adambc_with_adaptive_clipping_is_refused(small_config):
-    with pytest.raises(ConfigError, match="adaptive_clipping"):
-        small_config("server.optimizer=adambc", "privacy.adaptive_clipping={}")
+def test_adambc_with_adaptive_clipping_uses_each_rounds_phi(small_config):
+    """Phi_t = (z_value C_t / m)^2 with the clip norm C_t each round used; the optimizer's EMA holds them."""
+    cfg = small_config("rounds=3", "server.optimizer=adambc", "server.lr=0.01", "privacy.adaptive_clipping={}")
+    run(cfg)
+    clips = pd.read_csv(cfg.output_dir / "metrics.csv")["clip_norm"].tolist()
+    p = cfg.privacy
+    z_value = value_noise_multiplier(p.noise_multiplier, p.count_stddev)
+    phis = [(z_value * c / p.expected_cohort) ** 2 for c in clips]
+    assert len(set(phis)) == 3  # the clip norm moved every round
+    state = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["optimizer"]
+    b2 = cfg.server.beta2 if cfg.server.beta2 is not None else 0.999
+    ema = sum((1 - b2) * b2 ** (3 - k) * phi for k, phi in enumerate(phis, start=1))
+    assert state["phi"] == pytest.approx(phis[-1], rel=1e-9) and state["phi_ema"] == pytest.approx(ema, rel=1e-9)
+
+
+def test_adaptive_clipping_refuses_a_multiplier_it_cannot_compose(small_config):
     with pytest.raises(ConfigError, match="clipped_count_stddev"):
         small_config("privacy.noise_multiplier=3", "privacy.adaptive_clipping={clipped_count_stddev: 1.0}")
