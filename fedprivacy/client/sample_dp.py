@@ -137,7 +137,8 @@ class SampleDPRun:
 def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed: np.random.SeedSequence | int, *,
                   steps: int | None = None, epochs: float | None = None, loss_fn: LossFn,
                   preconditioner: Sequence[torch.Tensor] | None = None, accountant: AccountantKind = "rdp",
-                  secure_noise: bool = False, on_step: Callable[[int], None] | None = None) -> SampleDPRun:
+                  secure_noise: bool = False,
+                  on_step: Callable[[int, SampleDPOptimizer], None] | None = None) -> SampleDPRun:
     """Train ``model`` in place with record-level DP: Poisson batches, clip, noise, base step, account.
 
     Args:
@@ -151,7 +152,8 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
         preconditioner: AdaDPS ``A`` (public), one tensor per trainable parameter.
         accountant: ``"rdp"`` or ``"prv"`` (Opacus), fed by the optimizer's step hook.
         secure_noise: seed the noise generator from the OS's cryptographic source.
-        on_step: called with the 1-based step number after each step (e.g. evaluation).
+        on_step: called as ``on_step(t, optimizer)`` after step ``t`` (1-based), e.g. to evaluate;
+            ``p.grad`` then holds the gradient the base optimizer used (DiSK: the filtered one).
 
     Raises:
         ValueError: neither or both of ``steps`` and ``epochs``; too few records for one unit.
@@ -181,7 +183,7 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
             optimizer.zero_grad(set_to_none=True)
             losses.append(optimizer.step(per_sample_closure(gsm, loss_fn, inputs, targets)))
             if on_step is not None:
-                on_step(t)
+                on_step(t, optimizer)
     finally:
         optimizer.zero_grad(set_to_none=True)
         gsm._close()
