@@ -190,7 +190,7 @@ class DPFedAvgServer:
             self.disk.load_state_dict(state["disk"])
         if self.adaptive_clip:
             self.adaptive_clip.load_state_dict(state["adaptive_clip"])
-        self.client_ledgers.load_state_dict(state["client_ledgers"])
+        self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})  # absent before placements existed
 
     def _round_event(self) -> GaussianRound:
         """This round's accounting event: the sampler's, or the emulated deployment's."""

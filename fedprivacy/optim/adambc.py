@@ -150,4 +150,7 @@ class ServerAdamBC(AdaptiveServerOptimizer):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.phi, self.phi_ema = float(state["phi"]), float(state["phi_ema"])
+        if "phi_ema" in state:
+            self.phi, self.phi_ema = float(state["phi"]), float(state["phi_ema"])
+        else:  # a checkpoint from before per-round Phi: Phi was constant, so Phi-bar_t = (1 - beta2^t) Phi
+            self.phi_ema = (1.0 - self.beta2**self.count) * self.phi
