@@ -1,0 +1,164 @@
+"""Tests of client views, the preprocessing cache, multi-label tags and the task loader."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedprivacy.config import DataConfig
+from fedprivacy.data.prepared import prepared_tags, prepared_tokens
+from fedprivacy.data.sources import open_source
+from fedprivacy.data.synthetic import SyntheticFiles
+from fedprivacy.data.views import natural, sample_clients, split_by_position
+from fedprivacy.models.metrics import recall_at_k_counts
+from fedprivacy.task import MultiLabelTagTask, NextWordTask, TagPredictionTask, load_task
+
+
+def test_partitions_by_hand() -> None:
+    offsets = np.array([0, 5, 5, 15, 16])
+    train, test = split_by_position(offsets, 0.8)
+    assert list(zip(train.starts, train.stops)) == [(0, 4), (5, 5), (5, 13), (15, 15)]
+    assert list(zip(test.starts, test.stops)) == [(4, 5), (5, 5), (13, 15), (15, 16)]
+    assert test.rows().tolist() == [4, 13, 14, 15]
+    capped = natural(offsets).capped(3)
+    assert capped.sizes.tolist() == [3, 0, 3, 1] and capped.rows().tolist() == [0, 1, 2, 5, 6, 7, 15]
+    picked = sample_clients(10, 4, seed=1)
+    assert len(set(picked)) == 4 and picked.tolist() == sorted(picked)
+    assert picked.tolist() == sample_clients(10, 4, seed=1).tolist()
+    assert sample_clients(3, 10, seed=0).tolist() == [0, 1, 2]
+
+
+def test_recall_at_5_by_hand() -> None:
+    scores = torch.tensor([[9., 8, 7, 6, 5, 4, 3], [1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 0, 0]])
+    targets = torch.tensor([[1., 0, 0, 0, 0, 1, 0],     # tag 0 in top 5, tag 5 not
+                            [1., 1, 1, 0, 0, 0, 0],     # top 5 = 6,5,4,3,2: only tag 2
+                            [0., 0, 0, 0, 0, 0, 0]])    # no true tag: adds nothing
+    assert recall_at_k_counts(scores, targets, k=5) == (2, 5)
+
+
+def test_multi_hot_tags_match_the_single_label(so_files: SyntheticFiles, tmp_path: Path) -> None:
+    source = open_source("tff-sqlite", so_files.sqlite)
+    data, _ = prepared_tags(source, "test", vocab_size=10_000, num_tags=50, no_tag="label0")
+    tags = data.tags.toarray()
+    has_tag = tags.any(axis=1)
+    assert set(np.unique(tags)) <= {0.0, 1.0}
+    np.testing.assert_array_equal(data.labels[has_tag], tags[has_tag].argmax(axis=1))
+    assert (data.labels[~has_tag] == 0).all() and data.num_dropped == 0
+    dropped, _ = prepared_tags(source, "test", vocab_size=10_000, num_tags=50, no_tag="drop")
+    assert dropped.num_dropped == int((~has_tag).sum()) > 0
+    assert dropped.tags.shape[0] == int(has_tag.sum())
+
+
+def _config(files: SyntheticFiles, tmp_path: Path, **kw) -> DataConfig:
+    return DataConfig(path=files.word_count.parent, generate_if_missing=False,
+                      cache_dir=tmp_path / "cache", **kw)
+
+
+def test_cache_hit_is_memory_mapped_and_equal(so_files: SyntheticFiles, tmp_path: Path) -> None:
+    source = open_source("tff-sqlite", so_files.sqlite)
+    kw = dict(vocab_size=10_000, num_tags=500, no_tag="label0", first=20, cache_root=tmp_path)
+    built, status = prepared_tags(source, "train", **kw)
+    assert status == "built"
+    hit, status = prepared_tags(source, "train", **kw)
+    assert status == "hit"
+    # read-only views of np.load(mmap_mode="r"), not copies
+    assert not hit.features.data.flags.writeable and not hit.features.indices.flags.writeable
+    assert not hit.labels.flags.writeable and built.labels.flags.writeable
+    assert hit.client_ids == built.client_ids and len(hit.client_ids) == 20
+    assert (hit.features != built.features).nnz == 0 and (hit.tags != built.tags).nnz == 0
+    np.testing.assert_array_equal(hit.labels, built.labels)
+    _, status = prepared_tags(source, "train", **{**kw, "first": 21})
+    assert status == "built"                                   # another selection, another entry
+    tokens, status = prepared_tokens(source, "train", vocab_size=10_000, seq_len=20, first=20,
+                                     cache_root=tmp_path)
+    assert status == "built"
+    again, status = prepared_tokens(source, "train", vocab_size=10_000, seq_len=20, first=20,
+                                    cache_root=tmp_path)
+    assert status == "hit"
+    np.testing.assert_array_equal(again.tokens, tokens.tokens)
+
+
+def test_stale_cache_is_detected_and_rebuilt(so_files: SyntheticFiles, tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for path in (so_files.sqlite, so_files.word_count, so_files.tag_count):
+        (folder / path.name).write_bytes(path.read_bytes())
+    source = open_source("tff-sqlite", folder)
+    kw = dict(vocab_size=3, num_tags=500, no_tag="label0", first=5, cache_root=tmp_path / "c")
+    before, _ = prepared_tags(source, "train", **kw)
+    # Rewrite the word counts with another order: the vocabulary (and the features) change.
+    lines = (folder / "stackoverflow.word_count").read_text().splitlines()
+    (folder / "stackoverflow.word_count").write_text("\n".join(lines[3:] + lines[:3]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="fedprivacy.data.cache"):
+        after, status = prepared_tags(source, "train", **kw)
+    assert status == "rebuilt"
+    assert re.search(r"stale data cache .*input 'word_count' .* changed: .*size|mtime|sha256",
+                     caplog.text)
+    assert (after.features != before.features).nnz > 0
+    assert prepared_tags(source, "train", **kw)[1] == "hit"
+    # A damaged array file and an unreadable meta.json are rebuilt too.
+    entry = next(p for p in (tmp_path / "c").iterdir() if p.name.startswith("tag-train"))
+    (entry / "labels.npy").write_bytes(b"\x93NUMPY garbage")
+    assert prepared_tags(source, "train", **kw)[1] == "rebuilt"
+    (entry / "meta.json").write_text("{")
+    assert prepared_tags(source, "train", **kw)[1] == "rebuilt"
+    meta = json.loads((entry / "meta.json").read_text())
+    assert meta["identities"]["examples"]["size"] == os.path.getsize(folder / "stackoverflow.sqlite")
+
+
+def test_sqlite_and_h5_give_identical_tasks(so_files: SyntheticFiles, so_h5_files: SyntheticFiles,
+                                            tmp_path: Path) -> None:
+    for task in ("tag", "tag_multilabel", "next_word"):
+        a = load_task(_config(so_files, tmp_path, task=task, max_clients=15))
+        b = load_task(_config(so_h5_files, tmp_path, task=task, max_clients=15, source="tff-h5"))
+        assert a.population == b.population == 15
+        for i in (0, 7, 14):
+            for x, y in zip(a.client_data(i), b.client_data(i)):
+                if hasattr(x, "toarray"):
+                    np.testing.assert_array_equal(x.toarray(), y.toarray())
+                else:
+                    np.testing.assert_array_equal(x, y)
+        assert a.majority_baseline == b.majority_baseline
+
+
+def test_adadps_view_public_pool_and_caps(so_files: SyntheticFiles, tmp_path: Path) -> None:
+    task = load_task(_config(so_files, tmp_path, view="adadps", max_clients=10, public_clients=2))
+    assert isinstance(task, TagPredictionTask) and task.population == 10
+    sizes = np.diff(task.train.offsets)
+    assert task.partition.sizes.tolist() == np.floor(0.8 * sizes + 1e-9).astype(int).tolist()
+    assert len(task.test_labels) == sizes.sum() - task.partition.sizes.sum()
+    features, labels = task.client_data(0)
+    np.testing.assert_array_equal(labels, task.train.labels[:task.partition.sizes[0]])
+    assert task.public is not None and task.public.num_clients == 2
+    assert set(task.public.client_ids).isdisjoint(task.train.client_ids)
+    capped = load_task(_config(so_files, tmp_path, max_examples_per_client=3, client_sample=7))
+    assert capped.population == 7 and capped.partition.sizes.max() <= 3
+
+
+def test_task_classes_losses_and_evaluation(so_files: SyntheticFiles, tmp_path: Path) -> None:
+    multi = load_task(_config(so_files, tmp_path, task="tag_multilabel", max_clients=5))
+    assert isinstance(multi, MultiLabelTagTask)
+    model = multi.new_model()
+    x, tags = multi.client_data(0)
+    assert float(multi.loss(model(x), tags).detach()) == pytest.approx(np.log(2), rel=1e-6)  # zero model
+    metrics = multi.evaluate(model)
+    assert set(metrics) == {"test_loss", "test_recall_at_5"} and 0 <= metrics["test_recall_at_5"] <= 1
+    words = load_task(_config(so_files, tmp_path, task="next_word", max_clients=3,
+                              max_test_examples=50))
+    assert isinstance(words, NextWordTask) and words.test_tokens.shape == (50, 21)
+    model = words.new_model()
+    x, y = words.client_data(1)
+    loss = words.loss(model(x[:4]), y[:4])
+    loss.backward()
+    assert np.log(10_004) - 0.5 < float(loss.detach()) < np.log(10_004) + 0.5
+    metrics = words.evaluate(model)
+    assert set(metrics) == {"test_loss", "test_accuracy", "test_accuracy_with_oov_eos"}
+    assert 0 <= words.majority_baseline <= 1
