@@ -1,4 +1,4 @@
-"""Command line: ``fedprivacy run | epsilon | calibrate | audit | data generate``.
+"""Command line: ``fedprivacy run | epsilon | calibrate | audit | data generate | data stats``.
 
 Errors a user can fix (bad config field, missing or corrupt data file, existing run folder)
 print one clear line naming the field or file and exit with status 2, without a traceback.
@@ -72,6 +72,23 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_local(args: argparse.Namespace) -> int:
+    from fedprivacy.deploy.local import DeploymentError, deploy_local
+
+    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    try:
+        summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, resume=args.resume,
+                               timeout=args.timeout, on_supernode_exit=args.on_supernode_exit, echo=args.stream)
+    except DeploymentError as err:
+        print(f"fedprivacy: deployment failed: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fedprivacy: interrupted; the deployment was shut down", file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from fedprivacy.audit import run_audit
 
@@ -89,8 +106,18 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 def _cmd_data_generate(args: argparse.Namespace) -> int:
     from fedprivacy.data.synthetic import generate
 
-    files = generate(Path(args.out), num_clients=args.clients, seed=args.seed, overwrite=args.overwrite)
-    print(json.dumps({k: str(v) for k, v in vars(files).items()}, indent=2))
+    files = generate(Path(args.out), num_clients=args.clients, seed=args.seed, overwrite=args.overwrite,
+                     format=args.format)
+    written = {"sqlite": files.sqlite} if files.sqlite is not None else {f"h5_{k}": v for k, v in files.h5.items()}
+    written |= {"word_count": files.word_count, "tag_count": files.tag_count}
+    print(json.dumps({k: str(v) for k, v in written.items()}, indent=2))
+    return 0
+
+
+def _cmd_data_stats(args: argparse.Namespace) -> int:
+    from fedprivacy.data.sources import open_source
+
+    print(json.dumps({"source": args.source, "splits": open_source(args.source, args.path).stats()}, indent=2))
     return 0
 
 
@@ -129,6 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-multiplier", type=float, help="find the largest affordable number of rounds")
     p.set_defaults(func=_cmd_calibrate)
 
+    p = sub.add_parser("deploy", help="run on real Flower processes (SuperLink + SuperNodes)")
+    deploy_sub = p.add_subparsers(dest="deploy_command", required=True)
+    d = deploy_sub.add_parser("local", help="a SuperLink and N SuperNodes on localhost, one user per SuperNode "
+                                            "(docs/DEPLOYMENT.md)")
+    d.add_argument("config", nargs="?", help="YAML config (default: the built-in quickstart defaults)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    d.add_argument("--supernodes", type=int, help="number of SuperNodes = the deployment's population "
+                                                  "(default: every user of the data set)")
+    d.add_argument("--insecure", action="store_true",
+                   help="plain HTTP and no SuperNode authentication (default: generated TLS certificates + auth)")
+    d.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
+    d.add_argument("--timeout", type=float, help="abort (and shut everything down) after this many seconds")
+    d.add_argument("--on-supernode-exit", choices=["continue", "restart", "abort"], default="continue",
+                   help="a SuperNode that exits: its client drops out (continue), it is restarted and rejoins, "
+                        "or the deployment stops (default: continue)")
+    d.add_argument("--stream", action="store_true", help="echo Flower's streamed run log (default: one line per round)")
+    d.set_defaults(func=_cmd_deploy_local)
+
     p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client; "
                                      "exits 1 when it exceeds the claimed epsilon")
     p.add_argument("config", nargs="?", help="YAML config whose mechanism and server optimizer are audited")
@@ -144,12 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("data", help="data sets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
-    g = data_sub.add_parser("generate", help="write synthetic StackOverflow data in TFF's SQLite format")
+    g = data_sub.add_parser("generate", help="write synthetic StackOverflow data in TFF's SQLite or HDF5 format")
     g.add_argument("--out", required=True, help="output folder")
     g.add_argument("--clients", type=int, default=RunConfig().data.synthetic_clients, help="training users")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--format", choices=["tff-sqlite", "tff-h5"], default="tff-sqlite",
+                   help="stackoverflow.sqlite, or TFF's legacy stackoverflow_{train,held_out,test}.h5")
     g.add_argument("--overwrite", action="store_true")
     g.set_defaults(func=_cmd_data_generate)
+    g = data_sub.add_parser("stats", help="clients and examples per split of StackOverflow files, as JSON")
+    g.add_argument("--source", choices=["tff-sqlite", "tff-h5"], required=True)
+    g.add_argument("--path", required=True, help="folder of the files (or, for tff-sqlite, the .sqlite file)")
+    g.set_defaults(func=_cmd_data_stats)
     return parser
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from fedprivacy.data.stackoverflow import DataFormatError
 
 __all__ = ["EXAMPLES_GROUP", "SPLIT_FILES", "h5_client_ids", "iter_h5_client_examples",
-           "H5Writer"]
+           "h5_counts", "H5Writer"]
 
 EXAMPLES_GROUP = "examples"
 SPLIT_FILES = {"train": "stackoverflow_train.h5", "heldout": "stackoverflow_held_out.h5",
@@ -67,6 +67,30 @@ def h5_client_ids(path: str | Path) -> list[str]:
     """
     with _open(path) as (_, group):
         return sorted(group.keys())
+
+
+def h5_counts(path: str | Path) -> dict[str, int]:
+    """Clients, examples and clients without examples of one split file.
+
+    A client's example count is the length of its datasets, read from the metadata only.
+
+    Raises:
+        FileNotFoundError, DataFormatError: As :func:`iter_h5_client_examples` (lengths differ,
+            a member is not a dataset or group).
+    """
+    with _open(path) as (path, group):
+        clients, examples, empty = 0, 0, 0
+        for client, member in group.items():
+            if not isinstance(member, h5py.Group):
+                raise DataFormatError(f"{path}: '/{EXAMPLES_GROUP}/{client}' is not a group")
+            lengths = {len(d) if isinstance(d, h5py.Dataset) and d.ndim == 1 else None
+                       for d in member.values()}
+            if None in lengths or len(lengths) > 1:
+                raise DataFormatError(f"{path}: client {client!r}: members are not 1-D datasets "
+                                      "of one length")
+            n = lengths.pop() if lengths else 0
+            clients, examples, empty = clients + 1, examples + n, empty + (n == 0)
+    return {"clients": clients, "examples": examples, "empty_clients": empty}
 
 
 def _column(path: Path, client: str, name: str, member: object) -> list:

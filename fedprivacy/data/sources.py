@@ -103,6 +103,15 @@ class ExampleSource:
         return hdf5.iter_h5_client_examples(self.split_file(split), client_ids,
                                             allow_empty=allow_empty)
 
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Per split: its file, number of clients, examples, and clients without examples."""
+        if self.sqlite is not None:
+            counts = stackoverflow.split_counts(self.sqlite)
+            return {split: {"file": str(self.sqlite), **counts.get(split, {
+                "clients": 0, "examples": 0, "empty_clients": 0})} for split in SPLITS}
+        return {split: {"file": str(self.split_file(split)),
+                        **hdf5.h5_counts(self.split_file(split))} for split in SPLITS}
+
     def identity(self, split: str) -> dict[str, object]:
         """:func:`file_identity` of the file holding ``split``."""
         return file_identity(self.split_file(split))

@@ -32,6 +32,7 @@ __all__ = [
     "read_tag_counts",
     "client_ids",
     "iter_client_examples",
+    "split_counts",
 ]
 
 _REQUIRED_COLUMNS = {
@@ -173,6 +174,27 @@ def client_ids(sqlite_path: str | Path, split: str) -> list[str]:
     """
     with _connect(sqlite_path) as (path, connection), _reading(path):
         return _split_client_ids(path, connection, split)
+
+
+def split_counts(sqlite_path: str | Path) -> dict[str, dict[str, int]]:
+    """Per split: clients listed in ``client_metadata``, clients with rows, rows.
+
+    Returns:
+        ``{split: {"clients": ..., "examples": ..., "empty_clients": ...}}`` where
+        ``empty_clients`` counts listed clients without any row.
+
+    Raises:
+        FileNotFoundError, DataFormatError: As :func:`client_ids`.
+    """
+    with _connect(sqlite_path) as (path, connection), _reading(path):
+        listed = dict(connection.execute(
+            "SELECT split_name, COUNT(DISTINCT client_id) FROM client_metadata GROUP BY split_name"))
+        rows = {split: (clients, examples) for split, clients, examples in connection.execute(
+            "SELECT split_name, COUNT(DISTINCT client_id), COUNT(*) FROM examples "
+            "GROUP BY split_name")}
+    return {split: {"clients": listed.get(split, 0), "examples": rows.get(split, (0, 0))[1],
+                    "empty_clients": listed.get(split, 0) - rows.get(split, (0, 0))[0]}
+            for split in sorted(set(listed) | set(rows))}
 
 
 def _chunks(ids: list[str]) -> Iterator[list[str]]:
