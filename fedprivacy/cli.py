@@ -72,6 +72,23 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_local(args: argparse.Namespace) -> int:
+    from fedprivacy.deploy.local import DeploymentError, deploy_local
+
+    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    try:
+        summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, resume=args.resume,
+                               timeout=args.timeout, on_supernode_exit=args.on_supernode_exit, echo=args.stream)
+    except DeploymentError as err:
+        print(f"fedprivacy: deployment failed: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fedprivacy: interrupted; the deployment was shut down", file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from fedprivacy.audit import run_audit
 
@@ -138,6 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="rounds the run will take: find the noise multiplier")
     p.add_argument("--noise-multiplier", type=float, help="find the largest affordable number of rounds")
     p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("deploy", help="run on real Flower processes (SuperLink + SuperNodes)")
+    deploy_sub = p.add_subparsers(dest="deploy_command", required=True)
+    d = deploy_sub.add_parser("local", help="a SuperLink and N SuperNodes on localhost, one user per SuperNode "
+                                            "(docs/DEPLOYMENT.md)")
+    d.add_argument("config", nargs="?", help="YAML config (default: the built-in quickstart defaults)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    d.add_argument("--supernodes", type=int, required=True, help="number of SuperNodes = the deployment's population "
+                                                  "(the first N users of the data set)")
+    d.add_argument("--insecure", action="store_true",
+                   help="plain HTTP and no SuperNode authentication (default: generated TLS certificates + auth)")
+    d.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
+    d.add_argument("--timeout", type=float, help="abort (and shut everything down) after this many seconds")
+    d.add_argument("--on-supernode-exit", choices=["continue", "restart", "abort"], default="continue",
+                   help="a SuperNode that exits: its client drops out (continue), it is restarted and rejoins, "
+                        "or the deployment stops (default: continue)")
+    d.add_argument("--stream", action="store_true", help="echo Flower's streamed run log (default: one line per round)")
+    d.set_defaults(func=_cmd_deploy_local)
 
     p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client; "
                                      "exits 1 when it exceeds the claimed epsilon")

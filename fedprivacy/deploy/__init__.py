@@ -1,0 +1,1 @@
+"""Deployment prototyping with real Flower processes (SuperLink + SuperNodes); see docs/DEPLOYMENT.md."""
