@@ -69,3 +69,17 @@ def test_micro_batch_units_are_the_accounting_units():
     assert len(units) == 10 and len(set(members)) == 40  # disjoint, two records left over
     x, _ = units[0]
     assert x.shape == (4, 4)
+
+
+def test_centralized_runner_evaluates_and_reports_the_accountants_epsilon():
+    from fedprivacy.centralized import pooled, train_centralized
+
+    data = pooled([_examples(20, seed=1), _examples(20, seed=2)])
+    model = tiny_model()
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none")  # noqa: E731
+    result = train_centralized(model, data, CFG, seed=5, steps=7, target_delta=1e-3, loss_fn=loss_fn,
+                               evaluate=lambda m: 0.0, eval_every=3)
+    assert [t for t, _ in result.history] == [3, 6, 7] and result.steps == 7
+    reference = RDPAccountant()
+    reference.history = [(CFG.noise_multiplier, 8 / 40, 7)]
+    assert result.epsilon == pytest.approx(reference.get_epsilon(1e-3), rel=1e-12)
