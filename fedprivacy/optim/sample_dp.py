@@ -9,7 +9,8 @@ records), from Opacus per-sample gradients (``p.grad_sample`` of a ``GradSampleM
     u_j &= \frac{1}{k} \sum_{i \in \text{unit } j} \hat g_i \,/\, A           && (A = 1,\ k = 1 \text{ unless set}) \\
     g_t &= \frac{1}{B}\Big(\sum_j u_j \min\big(1, \tfrac{C}{\lVert u_j\rVert_2}\big)
         + \mathcal N(0, \sigma^2 C^2 I_d)\Big) \\
-    \tilde g_t &= (1-\kappa)\,\tilde g_{t-1} + \kappa\, g_t, \quad \tilde g_{-1} = g_0 && \text{(DiSK; else } \kappa = 1) \\
+    \tilde g_t &= (1-\kappa)\,\tilde g_{t-1} + \kappa\, g_t, \quad \tilde g_{-1} = g_0
+        && \text{(DiSK; else } \kappa = 1) \\
     x_{t+1} &= \mathrm{BaseOpt}(x_t, \tilde g_t), \qquad d_t = x_{t+1} - x_t
 
 Symbols: σ = ``noise_multiplier``, C = ``max_grad_norm`` (flat L2 over ALL parameters), B =
