@@ -24,7 +24,9 @@ def _examples(n, seed=0):
 def test_round_returns_the_delta_and_restores_the_model():
     model = tiny_model()
     start = flat_params(model)
+    global_state = torch.random.get_rng_state()
     first = train_sample_dp(model, _examples(40), CFG, 7, epochs=1.0)
+    assert torch.equal(torch.random.get_rng_state(), global_state)  # sampling and noise use their own streams
     assert torch.equal(flat_params(model), start)
     assert first.steps == 5 and first.num_examples == 40 and first.target_delta == 1 / 40
     again = train_sample_dp(model, _examples(40), CFG, 7, epochs=1.0)
