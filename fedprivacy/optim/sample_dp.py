@@ -266,7 +266,7 @@ class SampleDPConfig:
     """Hyperparameters of one sample-level DP optimizer (module docstring for the math).
 
     Paper methods: DP-SGD = ``base="sgd"``; DP-Adam = ``"adam"``; DP-AdamBC = ``"adambc"``;
-    DP-MicroAdam = ``"microadam"``; AdaDPS = ``"sgd"`` plus a preconditioner (passed to
+    DP-MicroAdam = ``"microadam"`` (float32 parameters, as the server version); AdaDPS = ``"sgd"`` plus a preconditioner (passed to
     :func:`make_sample_dp_optimizer`, not a hyperparameter); DiSK = any base with ``disk_kappa < 1``.
 
     Attributes:
