@@ -124,14 +124,14 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
 
     The same SGD on the same batches, on a ``(r, K)`` copy of the rows the client's data touches
     instead of on the shared model (which is only read): no restore afterwards, and the delta is
-    block-sparse over those rows (the rows' own dense gradient replaces the sparse one; the values
-    agree up to float summation order).
+    block-sparse over those rows. The model supplies the batch gradient in closed form
+    (``local_loss_and_grad``); the values agree with autograd's up to float summation order.
     """
     blocks, local = model.support_blocks(features)
     origin = model.gather_blocks(blocks)
     k = origin.shape[1]
     start = origin if start_from is None else start_from.view(-1, k).index_select(0, blocks).to(origin.dtype)
-    theta = start.clone().requires_grad_(True)
+    theta = start.clone()
     n = features.shape[0]
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(theta.device)
     loss_sum = 0.0
@@ -139,12 +139,10 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
         order = rng.permutation(n)
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
-            loss = nn.functional.cross_entropy(model.local_logits(local, idx, theta), y_all[idx])
-            (grad,) = torch.autograd.grad(loss, theta)
-            with torch.no_grad():
-                theta.sub_(grad, alpha=lr)
-            loss_sum += float(loss.detach()) * len(idx)
-    values = theta.detach().sub_(start)
+            loss, grad = model.local_loss_and_grad(local, idx, theta, y_all[idx])
+            theta.sub_(grad, alpha=lr)
+            loss_sum += float(loss) * len(idx)
+    values = theta.sub_(start)
     return LocalResult(update=SparseUpdate(blocks, values, sum(p.numel() for p in model.parameters())),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedprivacy.privacy.clipping import flat_l2_clip_
+from fedprivacy.privacy.clipping import l2_clip_scale
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, server_noise_std
 
@@ -124,7 +124,7 @@ class PrivateSum:
         self.stats = AggregationStats()
 
     def add_(self, update: SparseUpdate | None) -> bool:
-        """Clip ``update`` (its values are modified in place) and add it; return whether it was accepted.
+        """Clip ``update`` and add it (its tensors are never written); return whether it was accepted.
 
         ``None`` stands for a reply that failed or carried the wrong arrays.
         """
@@ -135,20 +135,20 @@ class PrivateSum:
         if not _all_finite(update.values):
             self.stats.rejected_nonfinite += 1
             return False
-        if self.placement == "central":
-            norm = flat_l2_clip_(update.values, self.clip_norm)
+        if self.placement == "central":  # clip(u) = scale * u, folded into the accumulation below
+            norm, scale = l2_clip_scale(update.values, self.clip_norm)
         else:  # already clipped and noised on the client; its norm is mostly noise
-            norm = float(torch.linalg.vector_norm(update.values))
+            norm, scale = float(torch.linalg.vector_norm(update.values)), 1.0
         self.stats.norms.append(norm)
         self.stats.clipped += norm > self.clip_norm
         self.stats.accepted += 1
         values = update.values.to(self._sum.device)
         if update.indices is None:
-            self._sum.add_(values)
+            self._sum.add_(values, alpha=scale)
         elif update.block == 1:
-            self._sum.index_add_(0, update.indices.to(self._sum.device), values)
+            self._sum.index_add_(0, update.indices.to(self._sum.device), values, alpha=scale)
         else:  # whole rows: O(r) row additions
-            self._sum.view(-1, update.block).index_add_(0, update.indices.to(self._sum.device), values)
+            self._sum.view(-1, update.block).index_add_(0, update.indices.to(self._sum.device), values, alpha=scale)
         return True
 
     def server_noise_std(self) -> float:

@@ -23,7 +23,17 @@ def flat_l2_clip_(update: torch.Tensor, clip_norm: float) -> float:
     Returns:
         ``||update||_2`` before clipping (a float; ``inf``/``nan`` are returned as computed).
     """
-    norm = float(torch.linalg.vector_norm(update))
-    if norm > clip_norm:
-        update.mul_(clip_norm / norm)
+    norm, scale = l2_clip_scale(update, clip_norm)
+    if scale != 1.0:
+        update.mul_(scale)
     return norm
+
+
+def l2_clip_scale(update: torch.Tensor, clip_norm: float) -> tuple[float, float]:
+    """``(||update||_2, min(1, C / ||update||_2))`` without touching ``update``: ``clip(u, C) = scale * u``.
+
+    For a consumer that folds the scale into its accumulation (``sum += scale * u``) and so never
+    writes to the update (which may be a read-only view over a received message).
+    """
+    norm = float(torch.linalg.vector_norm(update))
+    return norm, (clip_norm / norm if norm > clip_norm else 1.0)
