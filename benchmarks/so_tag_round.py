@@ -1,69 +1,211 @@
-"""Seconds per DP-FedAvg round: the in-process engine vs Flower's Simulation Engine (Ray), same apps.
+"""Seconds per DP-FedAvg round (issue "Speed"): the in-process engine vs Ray, pfl-research and a bare loop.
 
-Workload (issue "Speed", fixed so results compare over time): synthetic StackOverflow tag
-prediction from our generator (default 1,000 users), logistic regression 10,000 -> 500
-(5,000,500 parameters), exactly 100 clients per round (fixed-size sampling), 1 local epoch,
-batch 100, clip + one dense noise draw + server SGD. Each engine runs ``--rounds`` rounds; the
-first is warm-up, the median of the rest is reported, with the in-process/Ray ratio.
+Workload (fixed, so results compare over time): synthetic StackOverflow tag prediction from our
+generator, logistic regression 10,000 -> 500 (5,000,500 parameters), exactly 100 clients per round
+(fixed-size sampling), 1 local epoch, batch 100, client lr 30, DP-FedAvg (clip C = 10, one dense
+Gaussian draw z = 1, fixed divisor 100, server SGD lr 1 without momentum). The same ServerApp and
+ClientApp on every fedprivacy engine; checkpoint and evaluation only after the last round (both
+engines alike). Every measurement runs in its own process (peak RSS is that process's); each
+runs ``--rounds`` rounds, the first is warm-up, the median of the rest is reported.
 
-    python benchmarks/so_tag_round.py [--rounds 6] [--engines inprocess ray] [--clients 1000]
+Measured, with the goals checked (exit status 1 if one is missed):
+
+1. in-process vs Flower's Simulation Engine (Ray), same apps: >= 20x faster per round;
+2. in-process vs pfl-research 0.6 (``benchmarks/pfl_round.py``, in its own venv
+   ``benchmarks/.venv-pfl``, created here on first use): >= 2x faster;
+3. in-process vs a bare PyTorch loop of the same math (``benchmarks/bare_loop.py``): within 1.25x;
+4. population independence: in-process at ``--full-data`` (342,477 users) within 10% of 1,000 users;
+5. cohort scaling: in-process seconds per client at cohorts ``--cohorts`` (default 10, 100, 1000)
+   within 1.5x of each other ("roughly constant").
+
+    python benchmarks/so_tag_round.py [--rounds 6] [--only inprocess ray pfl bare population scaling]
+        [--data data/synthetic] [--full-data data/so_full]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import pandas as pd
-import torch
-
-from fedprivacy.config import build_config
-from fedprivacy.run import run
+HERE = Path(__file__).resolve().parent
+PFL_VENV = HERE / ".venv-pfl"
+GOALS = {"ray": 20.0, "pfl": 2.0, "bare": 1 / 1.25, "population": 1.10, "scaling": 1.5}
 
 
-def bench(engine: str, rounds: int, clients: int, data: Path, out: Path) -> dict:
-    cfg = build_config({
-        "rounds": rounds, "eval_every": 10_000, "engine": engine, "output_dir": str(out / engine),
+def _config(engine: str, rounds: int, data: Path, out: Path, cohort: int, clients: int):
+    from fedprivacy.config import build_config
+
+    return build_config({
+        "rounds": rounds, "eval_every": 10**9, "checkpoint_every": 10**9, "engine": engine, "output_dir": str(out),
         "data": {"path": str(data), "synthetic_clients": clients},
         "client": {"epochs": 1, "batch_size": 100, "lr": 30.0},
         "server": {"lr": 1.0, "momentum": 0.0},
-        "privacy": {"sampling": "fixed", "expected_cohort": 100, "accountants": ["rdp"], "noise_multiplier": 1.0},
+        "privacy": {"sampling": "fixed", "expected_cohort": cohort, "accountants": ["rdp"], "noise_multiplier": 1.0,
+                    "clip_norm": 10.0},
     })
-    t0 = time.perf_counter()
-    run(cfg)
-    wall = time.perf_counter() - t0
-    seconds = pd.read_csv(out / engine / "metrics.csv")["seconds"].tolist()
-    per_round = statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
-    return {"engine": engine, "seconds_per_round": per_round, "client_updates_per_s": 100 / per_round,
-            "rounds_timed": len(seconds) - 1, "wall_s_including_startup": wall}
 
 
-def main() -> None:
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: int) -> dict:
+    """One fedprivacy engine in this process: per-round seconds from the run's metrics."""
+    import pandas as pd
+
+    from fedprivacy.run import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(engine, rounds, data, Path(tmp) / engine, cohort, clients)
+        t0 = time.perf_counter()
+        summary = run(cfg)
+        wall = time.perf_counter() - t0
+        seconds = pd.read_csv(Path(tmp) / engine / "metrics.csv")["seconds"].tolist()
+    return {"engine": engine, "population": summary["population"], "round_seconds": seconds,
+            "wall_s_including_startup": wall}
+
+
+def worker_bare(rounds: int, data: Path, cohort: int, clients: int) -> dict:
+    """The bare loop on the same data (loaded through fedprivacy's cache; loading is not timed)."""
+    sys.path.insert(0, str(HERE))
+    import torch
+    from bare_loop import bare_dp_fedavg
+
+    from fedprivacy.task import ensure_data, load_task
+
+    cfg = _config("inprocess", rounds, data, Path("unused"), cohort, clients)
+    torch.set_num_threads(cfg.num_threads)
+    ensure_data(cfg.data)
+    task = load_task(cfg.data)
+    f = task.train.features
+    _, seconds = bare_dp_fedavg(f.indptr, f.indices, f.data, task.train.labels, task.partition.starts,
+                                task.partition.stops, vocab=f.shape[1], classes=task.train.num_tags, rounds=rounds,
+                                cohort=cohort, seed=cfg.seed)
+    return {"engine": "bare", "population": task.population, "round_seconds": seconds}
+
+
+def worker_pfl(rounds: int, data: Path, cohort: int, clients: int) -> dict:
+    """Export the task's arrays, then run ``pfl_round.py`` in pfl's own venv."""
+    import numpy as np
+
+    from fedprivacy.task import ensure_data, load_task
+
+    if not (PFL_VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PFL_VENV)], check=True)
+        # torch 2.13.0 is the CPU build on this machine's disk; pfl 0.6 accepts it
+        subprocess.run([str(PFL_VENV / "bin" / "pip"), "install", "-q", "pfl==0.6.*", "torch==2.13.0"], check=True)
+    cfg = _config("inprocess", rounds, data, Path("unused"), cohort, clients)
+    ensure_data(cfg.data)
+    task = load_task(cfg.data)
+    f, part = task.train.features, task.partition
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = np.concatenate([np.arange(a, b) for a, b in zip(part.starts, part.stops)])
+        sub = f[rows]
+        counts = np.asarray(part.stops) - np.asarray(part.starts)
+        np.savez(Path(tmp) / "tags.npz", indptr=sub.indptr, indices=sub.indices, data=sub.data,
+                 labels=np.asarray(task.train.labels)[rows], offsets=np.concatenate([[0], np.cumsum(counts)]))
+        out = subprocess.run([str(PFL_VENV / "bin" / "python"), str(HERE / "pfl_round.py"), "--data", tmp,
+                              "--rounds", str(rounds), "--cohort", str(cohort), "--vocab", str(f.shape[1]),
+                              "--classes", str(task.train.num_tags)],
+                             capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"pfl_round.py failed:\n{out.stderr[-4000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["population"] = task.population
+    return result
+
+
+def measure(kind: str, rounds: int, data: Path, cohort: int = 100, clients: int = 1000, retries: int = 0) -> dict:
+    """Run one measurement in a fresh process; summarise its round times."""
+    cmd = [sys.executable, __file__, "--worker", kind, "--rounds", str(rounds), "--data", str(data),
+           "--cohort", str(cohort), "--clients", str(clients)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} measurement failed:\n{out.stderr[-4000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    timed = r["round_seconds"][1:] or r["round_seconds"]
+    r.update(seconds_per_round=statistics.median(timed), client_updates_per_s=cohort / statistics.median(timed),
+             cohort=cohort, rounds_timed=len(timed), data=str(data))
+    return r
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--clients", type=int, default=1000)
-    ap.add_argument("--engines", nargs="+", default=["inprocess", "ray"])
+    ap.add_argument("--only", nargs="+", default=["inprocess", "ray", "pfl", "bare", "population", "scaling"])
     ap.add_argument("--data", type=Path, default=Path("data/synthetic"))
+    ap.add_argument("--clients", type=int, default=1000, help="users to generate in --data if it is missing")
+    ap.add_argument("--full-data", type=Path, default=Path("data/so_full"),
+                    help="full-size population (fedprivacy data generate --out DIR --clients 342477)")
+    ap.add_argument("--cohorts", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--out", type=Path, help="also write the report (JSON) here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cohort", type=int, default=100, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for engine in args.engines:
-            results.append(bench(engine, args.rounds, args.clients, args.data, Path(tmp)))
-            print(json.dumps(results[-1]), flush=True)
-    by = {r["engine"]: r for r in results}
-    report = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-                         f"{__import__('os').cpu_count()} cores", "torch": torch.__version__,
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "results": results}
-    if "inprocess" in by and "ray" in by:
-        report["ray_over_inprocess"] = by["ray"]["seconds_per_round"] / by["inprocess"]["seconds_per_round"]
-    print(json.dumps(report, indent=2))
+
+    if args.worker:
+        fn = {"bare": worker_bare, "pfl": worker_pfl}.get(args.worker)
+        r = (fn(args.rounds, args.data, args.cohort, args.clients) if fn
+             else worker_engine(args.worker, args.rounds, args.data, args.cohort, args.clients))
+        r.setdefault("peak_rss_mb", _peak_rss_mb())
+        print(json.dumps(r), flush=True)
+        return 0
+
+    import torch
+
+    results: dict[str, dict] = {}
+    for kind in ("inprocess", "bare", "pfl", "ray"):
+        if kind in args.only or (kind == "inprocess" and {"ray", "pfl", "bare"} & set(args.only)):
+            results[kind] = measure(kind, args.rounds, args.data, clients=args.clients)
+            print(json.dumps(results[kind]), flush=True)
+    ratios, goals = {}, {}
+    base = results.get("inprocess")
+    for kind, goal in (("ray", GOALS["ray"]), ("pfl", GOALS["pfl"]), ("bare", GOALS["bare"])):
+        if base and kind in results:
+            ratios[f"{kind}_over_inprocess"] = results[kind]["seconds_per_round"] / base["seconds_per_round"]
+            goals[kind] = ratios[f"{kind}_over_inprocess"] >= goal
+    if "population" in args.only:
+        if args.full_data.exists():
+            small = base or measure("inprocess", args.rounds, args.data, clients=args.clients)
+            full = measure("inprocess", args.rounds, args.full_data)
+            results["inprocess_full_population"] = full
+            print(json.dumps(full), flush=True)
+            ratios["full_over_small_population"] = full["seconds_per_round"] / small["seconds_per_round"]
+            goals["population"] = ratios["full_over_small_population"] <= GOALS["population"]
+        else:
+            print(f"population: {args.full_data} not found; skipped (goal not checked)", file=sys.stderr)
+            goals["population"] = False
+    if "scaling" in args.only:
+        per_client = {}
+        for m in args.cohorts:
+            r = measure("inprocess", args.rounds, args.data, cohort=m, clients=args.clients)
+            results[f"inprocess_cohort_{m}"] = r
+            per_client[m] = r["seconds_per_round"] / m
+            print(json.dumps(r), flush=True)
+        ratios["seconds_per_client_by_cohort"] = per_client
+        ratios["cohort_scaling_spread"] = max(per_client.values()) / min(per_client.values())
+        goals["scaling"] = ratios["cohort_scaling_spread"] <= GOALS["scaling"]
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios,
+              "goals": {k: {"met": v, "target": GOALS[k]} for k, v in goals.items()}}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    missed = [k for k, v in goals.items() if not v]
+    if missed:
+        print(f"goals missed: {', '.join(missed)}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedprivacy.privacy.clipping import l2_clip_scale
+from fedprivacy.privacy.clipping import clip_scale
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, server_noise_std
 
@@ -78,10 +78,10 @@ class SparseUpdate:
         return out
 
 
-def _all_finite(values: torch.Tensor) -> bool:
-    """No NaN/Inf in ``values``. A finite L2 norm proves it in one reduction (the common case);
-    only a non-finite norm (NaN/Inf present, or squares overflowing) needs the element-wise check."""
-    return math.isfinite(float(torch.linalg.vector_norm(values))) or bool(torch.isfinite(values).all())
+def _all_finite(values: torch.Tensor, norm: float) -> bool:
+    """No NaN/Inf in ``values`` (whose L2 norm is ``norm``). A finite norm proves it (the common
+    case); only a non-finite one (NaN/Inf present, or squares overflowing) needs the element-wise check."""
+    return math.isfinite(norm) or bool(torch.isfinite(values).all())
 
 
 @dataclass
@@ -132,13 +132,13 @@ class PrivateSum:
         if update is None or not update.is_well_formed(self._sum.numel()):
             self.stats.rejected_malformed += 1
             return False
-        if not _all_finite(update.values):
+        norm = float(torch.linalg.vector_norm(update.values))
+        if not _all_finite(update.values, norm):
             self.stats.rejected_nonfinite += 1
             return False
-        if self.placement == "central":  # clip(u) = scale * u, folded into the accumulation below
-            norm, scale = l2_clip_scale(update.values, self.clip_norm)
-        else:  # already clipped and noised on the client; its norm is mostly noise
-            norm, scale = float(torch.linalg.vector_norm(update.values)), 1.0
+        # central: clip(u) = scale * u, folded into the accumulation below; otherwise the upload
+        # is already clipped and noised on the client (its norm is mostly noise)
+        scale = clip_scale(norm, self.clip_norm) if self.placement == "central" else 1.0
         self.stats.norms.append(norm)
         self.stats.clipped += norm > self.clip_norm
         self.stats.accepted += 1

@@ -36,4 +36,9 @@ def l2_clip_scale(update: torch.Tensor, clip_norm: float) -> tuple[float, float]
     writes to the update (which may be a read-only view over a received message).
     """
     norm = float(torch.linalg.vector_norm(update))
-    return norm, (clip_norm / norm if norm > clip_norm else 1.0)
+    return norm, clip_scale(norm, clip_norm)
+
+
+def clip_scale(norm: float, clip_norm: float) -> float:
+    """``min(1, C / norm)``: the factor that clips a vector of L2 norm ``norm`` (0 for an infinite norm)."""
+    return clip_norm / norm if norm > clip_norm else 1.0

@@ -1,0 +1,84 @@
+"""DP-FedAvg on the issue-"Speed" workload as a bare PyTorch loop: no Flower, no fedprivacy objects.
+
+The practical limit for the in-process engine on this machine: the same math with nothing around
+it. Per round: draw a cohort of ``m`` users without replacement; per user, copy the weight rows of
+its words and the bias (the only parameters its loss reads), run local SGD with the closed-form
+softmax cross-entropy gradient on the same batches (data order from the same per-(seed, round,
+user) generator as fedprivacy's trainer), clip the delta to L2 norm ``C`` and add it into the sum;
+then ONE dense Gaussian draw of std ``zC`` over all 5,000,500 coordinates, divide by ``m`` and take
+a server SGD step. Parameters are one ``(1 + V, K)`` matrix: row 0 the bias, row ``1 + w`` the
+weights of word ``w`` (fedprivacy's flat order). Data: CSR arrays (``indptr``, ``indices``,
+``data``), ``labels`` and user ``u``'s rows ``starts[u]:stops[u]`` (memory-mapped arrays are fine:
+only the cohort's rows are read).
+
+``cohorts`` (optional) fixes each round's users, so a test can check that the framework computes
+the same model (noise 0).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+CLIENT_STREAM = 0x636C69656E74  # the trainer's data-order stream, so both loops see the same batches
+
+
+def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, labels: np.ndarray,
+                   starts: np.ndarray, stops: np.ndarray, *, vocab: int = 10_000, classes: int = 500, rounds: int = 6,
+                   cohort: int = 100, batch_size: int = 100, epochs: int = 1, client_lr: float = 30.0,
+                   clip: float = 10.0, z: float = 1.0, server_lr: float = 1.0, seed: int = 0,
+                   cohorts: list[np.ndarray] | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Run ``rounds`` rounds; return the final ``(1 + V, K)`` parameters and each round's seconds."""
+    params = torch.zeros(1 + vocab, classes)
+    total = torch.zeros_like(params)
+    noise_gen = torch.Generator().manual_seed(seed + 1)
+    cohort_rng = np.random.default_rng(seed)
+    population = len(starts)
+    seconds = []
+    for t in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        users = cohorts[t - 1] if cohorts is not None else cohort_rng.choice(population, cohort, replace=False)
+        total.zero_()
+        for u in users:
+            lo, hi = int(starts[u]), int(stops[u])
+            rows_ptr = indptr[lo:hi + 1]
+            cols = indices[rows_ptr[0]:rows_ptr[-1]]
+            vals = data[rows_ptr[0]:rows_ptr[-1]]
+            words, local_cols = np.unique(cols, return_inverse=True)
+            rows = torch.from_numpy(np.concatenate([[0], words.astype(np.int64) + 1]))
+            start = params.index_select(0, rows)
+            theta = start.clone()
+            y = torch.from_numpy(np.asarray(labels[lo:hi], dtype=np.int64))
+            ptr = rows_ptr - rows_ptr[0]
+            rng = np.random.default_rng(np.random.SeedSequence([seed, CLIENT_STREAM, t, int(u)]))
+            n = hi - lo
+            for _ in range(epochs):
+                order = rng.permutation(n)
+                for b0 in range(0, n, batch_size):
+                    idx = order[b0:b0 + batch_size]
+                    lengths = ptr[idx + 1] - ptr[idx]
+                    offs = np.zeros(len(idx), dtype=np.int64)
+                    np.cumsum(lengths[:-1], out=offs[1:])
+                    pos = np.repeat(ptr[idx] - offs, lengths) + np.arange(int(lengths.sum()))
+                    bag_words = torch.from_numpy(local_cols[pos].astype(np.int64))
+                    bag_w = torch.from_numpy(vals[pos].astype(np.float32))
+                    logits = F.embedding_bag(bag_words, theta[1:], torch.from_numpy(offs), mode="sum",
+                                             per_sample_weights=bag_w) + theta[0]
+                    g_logits = torch.softmax(logits, 1)
+                    g_logits[torch.arange(len(idx)), y[idx]] -= 1.0
+                    g_logits /= len(idx)
+                    bag_of = torch.from_numpy(np.repeat(np.arange(len(idx)), lengths))
+                    xt = torch.sparse_coo_tensor(torch.stack([bag_words, bag_of]), bag_w, (len(rows) - 1, len(idx)),
+                                                 check_invariants=False)
+                    theta[0] -= client_lr * g_logits.sum(0)
+                    theta[1:] -= client_lr * torch.sparse.mm(xt, g_logits)
+            delta = theta.sub_(start)
+            norm = float(torch.linalg.vector_norm(delta))
+            total.index_add_(0, rows, delta, alpha=min(1.0, clip / norm) if norm > 0 else 1.0)
+        total.add_(torch.empty_like(total).normal_(0.0, z * clip, generator=noise_gen))
+        params.add_(total, alpha=server_lr / cohort)
+        seconds.append(time.perf_counter() - t0)
+    return params, seconds
