@@ -68,6 +68,40 @@ class DataConfig(_Section):
     """Cache folder (default: ``<path>/.fedprivacy-cache``)."""
 
 
+class SampleDPClientConfig(_Section):
+    """Sample-level (record-level) DP local training (fedprivacy.client.sample_dp; tag task only).
+
+    Each local step Poisson-samples the client's n_i records at q_i = batch_size / n_i, clips each
+    unit's gradient to ``clip_norm`` (flat L2), adds N(0, noise_multiplier^2 clip_norm^2) to every
+    coordinate of the sum, divides by ``batch_size`` and takes a step of ``optimizer``. Each
+    client's record-level epsilon is composed over its rounds and reported in
+    ``client_privacy.csv``; the server's user-level DP applies on top, unchanged.
+    """
+
+    optimizer: Literal["sgd", "adam", "adambc", "microadam"] = "sgd"
+    lr: float = Field(0.1, ge=0.0)
+    noise_multiplier: float = Field(1.0, ge=0.0)
+    clip_norm: float = Field(1.0, gt=0.0)
+    batch_size: float = Field(16.0, gt=0.0)
+    """Expected records per step (Poisson); capped at n_i for clients with fewer records."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Records per privacy unit (fixed micro-batches, AdaDPS App. B); None: one record per unit."""
+    epochs: float = Field(1.0, gt=0.0)
+    """Local epochs: steps = max(1, round(epochs / q_i))."""
+    accountant: Literal["rdp", "prv"] = "rdp"
+    """Accountant of the epsilon each client reports for its round (reply metrics); the run's
+    per-client files compose the rounds under every ``privacy.accountants``."""
+    target_delta: float | None = Field(None, gt=0.0, lt=1.0)
+    """Delta of each client's record-level epsilon; default 1 / n_i (the client's own records)."""
+
+    @model_validator(mode="after")
+    def _units_fit_the_batch(self) -> SampleDPClientConfig:
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
+            raise ValueError(f"client.sample_dp.micro_batch_size={self.micro_batch_size} must be <= "
+                             f"client.sample_dp.batch_size={self.batch_size}")
+        return self
+
+
 class ClientConfig(_Section):
     """Local training on each sampled client."""
 
@@ -75,6 +109,9 @@ class ClientConfig(_Section):
     batch_size: int = Field(10, ge=1)
     lr: float = Field(30.0, ge=0.0)
     """Client learning rate; 0 is valid (clients then return zero deltas)."""
+    sample_dp: SampleDPClientConfig | None = None
+    """Train with sample-level DP instead of plain local SGD (``epochs``, ``batch_size`` and ``lr``
+    above are then unused)."""
 
 
 class DiskConfig(_Section):
@@ -272,6 +309,21 @@ class RunConfig(_Section):
     server: ServerConfig = ServerConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _sample_dp_fits_the_run(self) -> RunConfig:
+        if self.client.sample_dp is None:
+            return self
+        if self.data.task != "tag":
+            raise ValueError(f"client.sample_dp needs data.task='tag' (softmax regression's exact per-record "
+                             f"gradients), got data.task={self.data.task!r}")
+        if self.server.disk is not None:
+            raise ValueError("client.sample_dp with server.disk is not supported (DiSK's two client passes would "
+                             "be two releases of the same records)")
+        if self.privacy.placement == "local":
+            raise ValueError("client.sample_dp with privacy.placement='local' is not supported (both report a "
+                             "per-client epsilon, for different neighbouring units)")
+        return self
 
     def to_json(self) -> str:
         """Serialise (round-trips through :func:`config_from_json`)."""

@@ -20,6 +20,12 @@ its local steps, the flat model delta, and the ε of this participation.
 This is record-level DP for each client's own data, accounted per client and reported separately
 from the server's user-level guarantee (ARCHITECTURE "Noise placements").
 
+:func:`train_sample_dp_softmax` is the same round for softmax regression on sparse (CSR) rows, the
+StackOverflow tag model: Opacus cannot take CSR input, so each batch's clipped sum is computed
+exactly in closed form (ghost norms, :func:`softmax_regression_clipped_sum`) and enters the same
+optimizer at its noise stage. The ClientApp reports each round's releases in its reply metrics
+(:func:`event_metrics`); the server composes them per client.
+
 Randomness: one ``SeedSequence`` is split into four disjoint streams: micro-batch partition,
 Poisson sampling, noise (dedicated; ``secure_noise`` seeds it from the OS instead) and
 DP-MicroAdam's rounding. Nothing draws from the global torch RNG.
@@ -33,15 +39,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 from opacus import GradSampleModule
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.data_loader import DPDataLoader
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
-from fedprivacy.optim.sample_dp import SampleDPConfig, SampleDPOptimizer, make_sample_dp_optimizer
+from fedprivacy.optim.sample_dp import SampleDPConfig, SampleDPOptimizer, clip_factors, make_sample_dp_optimizer
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -134,6 +141,43 @@ class SampleDPRun:
     """Mean training loss of each step's batch (NaN for an empty batch)."""
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A run's privacy units, sampling, optimizer (accountant hooked) and event: what every trainer shares."""
+
+    units: Dataset
+    q: float
+    steps: int
+    optimizer: SampleDPOptimizer
+    accountant: RDPAccountant | PRVAccountant
+    event: GaussianRound
+    sampling_generator: torch.Generator
+
+
+def _plan(params: list[nn.Parameter], dataset: Dataset, cfg: SampleDPConfig, seed: np.random.SeedSequence | int, *,
+          steps: int | None, epochs: float | None, preconditioner: Sequence[torch.Tensor] | None,
+          accountant: AccountantKind, secure_noise: bool) -> _Plan:
+    """Units, ``q = min(1, B/n)``, the step count, the optimizer over ``params`` and its accountant (:func:`run_sample_dp`)."""
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of steps and epochs")
+    seq = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+    partition_seq, sampling_seq, noise_seq, rounding_seq = seq.spawn(4)
+    k = cfg.micro_batch_size
+    units = MicroBatchUnits(dataset, k, _torch_generator(partition_seq)) if k > 1 else dataset
+    n_units = len(units)
+    q = min(1.0, cfg.expected_units / n_units)
+    cfg = replace(cfg, batch_size=q * n_units * k)
+    steps = max(1, round(epochs / q)) if steps is None else steps
+    noise_gen = (torch.Generator().manual_seed(secrets.randbits(63)) if secure_noise
+                 else _torch_generator(noise_seq))
+    optimizer = make_sample_dp_optimizer(params, cfg, generator=noise_gen, preconditioner=preconditioner,
+                                         seed=int(rounding_seq.generate_state(1)[0]))
+    acct = make_accountant(accountant)
+    optimizer.attach_step_hook(acct.get_optimizer_hook_fn(sample_rate=q))
+    event = GaussianRound(cfg.noise_multiplier, "poisson", n_units, q * n_units)
+    return _Plan(units, q, steps, optimizer, acct, event, _torch_generator(sampling_seq))
+
+
 def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed: np.random.SeedSequence | int, *,
                   steps: int | None = None, epochs: float | None = None, loss_fn: LossFn,
                   preconditioner: Sequence[torch.Tensor] | None = None, accountant: AccountantKind = "rdp",
@@ -158,27 +202,14 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
     Raises:
         ValueError: neither or both of ``steps`` and ``epochs``; too few records for one unit.
     """
-    if (steps is None) == (epochs is None):
-        raise ValueError("give exactly one of steps and epochs")
-    seq = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
-    partition_seq, sampling_seq, noise_seq, rounding_seq = seq.spawn(4)
-    k = cfg.micro_batch_size
-    units = MicroBatchUnits(dataset, k, _torch_generator(partition_seq)) if k > 1 else dataset
-    n_units = len(units)
-    q = min(1.0, cfg.expected_units / n_units)
-    cfg = replace(cfg, batch_size=q * n_units * k)
-    steps = max(1, round(epochs / q)) if steps is None else steps
-    noise_gen = (torch.Generator().manual_seed(secrets.randbits(63)) if secure_noise
-                 else _torch_generator(noise_seq))
+    params = [p for p in model.parameters() if p.requires_grad]  # the GradSampleModule's, same objects
+    plan = _plan(params, dataset, cfg, seed, steps=steps, epochs=epochs, preconditioner=preconditioner,
+                 accountant=accountant, secure_noise=secure_noise)
+    optimizer, k = plan.optimizer, cfg.micro_batch_size
     gsm = GradSampleModule(model, loss_reduction="sum")
-    params = [p for p in gsm.parameters() if p.requires_grad]
-    optimizer = make_sample_dp_optimizer(params, cfg, generator=noise_gen, preconditioner=preconditioner,
-                                         seed=int(rounding_seq.generate_state(1)[0]))
-    acct = make_accountant(accountant)
-    optimizer.attach_step_hook(acct.get_optimizer_hook_fn(sample_rate=q))
     losses = []
     try:
-        for t, batch in enumerate(poisson_batches(units, q, steps, _torch_generator(sampling_seq)), start=1):
+        for t, batch in enumerate(poisson_batches(plan.units, plan.q, plan.steps, plan.sampling_generator), start=1):
             inputs, targets = flatten_units(batch, k)
             optimizer.zero_grad(set_to_none=True)
             losses.append(optimizer.step(per_sample_closure(gsm, loss_fn, inputs, targets)))
@@ -187,8 +218,7 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
     finally:
         optimizer.zero_grad(set_to_none=True)
         gsm._close()
-    event = GaussianRound(cfg.noise_multiplier, "poisson", n_units, q * n_units)
-    return SampleDPRun(optimizer, acct, event, steps, losses)
+    return SampleDPRun(optimizer, plan.accountant, plan.event, plan.steps, losses)
 
 
 @dataclass(frozen=True)
@@ -250,6 +280,142 @@ def train_sample_dp(model: nn.Module, examples: Dataset, cfg: SampleDPConfig, se
     seen = [x for x in run.losses if not math.isnan(x)]
     return SampleDPResult(update, float(run.accountant.get_epsilon(delta=target_delta)), run.steps, run.event,
                           target_delta, sum(seen) / len(seen) if seen else math.nan, n)
+
+
+@dataclass(frozen=True)
+class ClippedSum:
+    """:func:`softmax_regression_clipped_sum` of one batch: per-parameter sums, unit norms, record losses."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    unit_norms: torch.Tensor
+    losses: torch.Tensor
+
+
+@torch.no_grad()
+def softmax_regression_clipped_sum(x: sp.csr_matrix, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                                   clip_norm: float, micro_batch_size: int = 1) -> ClippedSum:
+    r"""Exact clipped sum of per-unit gradients of softmax regression on sparse rows, without materializing them.
+
+    Logits :math:`z_i = W^\top x_i + b` (``W``: ``(V, K)``), loss :math:`-\log \mathrm{softmax}(z_i)_{y_i}`,
+    :math:`g_i = p_i - e_{y_i}`. Record ``i``'s gradient is :math:`(x_i g_i^\top,\ g_i)`; a unit ``j``
+    of ``k`` consecutive rows (unit-major) has gradient :math:`u_j = \frac1k \sum_{i \in j} (x_i g_i^\top, g_i)`
+    and, with Gram matrices inside the unit (ghost norm),
+
+    .. math::
+        \lVert u_j \rVert_2^2 = \frac{1}{k^2} \sum_{i, l \in j} (x_i^\top x_l + 1)\, g_i^\top g_l
+        \quad (k = 1:\ (\lVert x_i\rVert^2 + 1)\lVert g_i\rVert^2).
+
+    With :math:`c_j = \min(1, C / \lVert u_j \rVert_2)` and :math:`s_i = c_{j(i)} / k`, the clipped sum
+    is one sparse product: :math:`\sum_j c_j u_j = (X^\top \mathrm{diag}(s) G,\ G^\top s)`.
+
+    Args:
+        x: ``(b k, V)`` CSR rows, units of ``k`` consecutive rows.
+        y: ``(b k,)`` int64 labels.
+        weight, bias: the model's ``W`` and ``b``; results are in their dtype and device.
+        clip_norm: C.
+        micro_batch_size: k.
+    """
+    n, vocab = x.shape
+    k = micro_batch_size
+    if n % k:
+        raise ValueError(f"batch of {n} records is not whole micro-batches of {k}")
+    dtype, device = weight.dtype, weight.device
+    coo = x.tocoo()
+    rows, cols = torch.from_numpy(coo.row.astype(np.int64)), torch.from_numpy(coo.col.astype(np.int64))
+    values = torch.from_numpy(coo.data).to(dtype)
+    xs = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (n, vocab), device=device)
+    logits = torch.sparse.mm(xs, weight) + bias
+    losses = nn.functional.cross_entropy(logits, y, reduction="none")
+    g = torch.softmax(logits, dim=1)
+    g[torch.arange(n, device=device), y] -= 1.0
+    gram = (x.astype(np.float64) @ x.T.astype(np.float64)).tocoo()  # x_i . x_l, kept inside units
+    inside = gram.row // k == gram.col // k
+    r, c = torch.from_numpy(gram.row[inside].astype(np.int64)), torch.from_numpy(gram.col[inside].astype(np.int64))
+    gram_x = torch.zeros(n // k, k, k, dtype=torch.float64)
+    gram_x[r // k, r % k, c % k] = torch.from_numpy(gram.data[inside])
+    units_g = g.view(n // k, k, g.shape[1])
+    gram_g = torch.einsum("jik,jlk->jil", units_g, units_g)
+    norms = ((gram_x.to(dtype=dtype, device=device) + 1.0) * gram_g).sum(dim=(1, 2)).clamp_min(0.0).sqrt() / k
+    scale = (clip_factors(norms, clip_norm) / k).repeat_interleave(k)
+    scaled = g * scale[:, None]
+    xt = torch.sparse_coo_tensor(torch.stack([cols, rows]), values, (vocab, n), device=device)
+    return ClippedSum(torch.sparse.mm(xt, scaled), scaled.sum(0), norms, losses)
+
+
+def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, cfg: SampleDPConfig,
+                            seed: np.random.SeedSequence | int, *, epochs: float = 1.0,
+                            target_delta: float | None = None, accountant: AccountantKind = "rdp",
+                            secure_noise: bool = False) -> SampleDPResult:
+    """:func:`train_sample_dp` for softmax regression on sparse rows (``model.embedding.weight``, ``model.bias``).
+
+    The same mechanism, units, sampling streams, accounting and result; only the per-unit
+    gradients differ: Opacus' ``GradSampleModule`` cannot take CSR input (and its ``EmbeddingBag``
+    sampler ignores ``per_sample_weights``), so each Poisson batch's clipped sum comes in closed
+    form from :func:`softmax_regression_clipped_sum` and goes through
+    :meth:`~fedprivacy.optim.sample_dp.SampleDPOptimizer.step_clipped_sum` (dense noise
+    N(0, σ²C²) on EVERY coordinate, divide by B, account, base step). The update is therefore
+    dense. No preconditioner and no DiSK. The model holds ``x_t`` again afterwards.
+
+    Args:
+        model: holds ``embedding.weight`` ``(V, K)`` and ``bias`` ``(K,)`` (its only trainable parameters),
+            e.g. :class:`~fedprivacy.models.logistic.SparseLogisticRegression`.
+        features: the client's ``(n, V)`` CSR rows; ``labels``: its ``n`` labels.
+        cfg, seed, epochs, target_delta, accountant, secure_noise: as in :func:`train_sample_dp`.
+    """
+    weight, bias = model.embedding.weight, model.bias
+    params = [p for p in model.parameters() if p.requires_grad]
+    if len(params) != 2 or not any(p is weight for p in params) or not any(p is bias for p in params):
+        raise ValueError("train_sample_dp_softmax needs a model whose trainable parameters are embedding.weight and bias")
+    n = features.shape[0]
+    if n == 0:
+        raise ValueError("train_sample_dp_softmax: the client holds no records")
+    plan = _plan(params, TensorDataset(torch.arange(n)), cfg, seed, steps=None, epochs=epochs, preconditioner=None,
+                 accountant=accountant, secure_noise=secure_noise)
+    y_all = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=weight.device)
+    start = parameters_to_vector(params).detach().clone()
+    losses = []
+    try:
+        for batch in poisson_batches(plan.units, plan.q, plan.steps, plan.sampling_generator):
+            rows = flatten_units(batch, cfg.micro_batch_size)[0]
+            s = softmax_regression_clipped_sum(features[rows.numpy()], y_all[rows], weight.detach(), bias.detach(),
+                                               cfg.clip_norm, cfg.micro_batch_size)
+            plan.optimizer.zero_grad(set_to_none=True)
+            plan.optimizer.step_clipped_sum([s.weight if p is weight else s.bias for p in plan.optimizer.params])
+            if len(rows):
+                losses.append(float(s.losses.mean()))
+        update = parameters_to_vector(params).detach() - start
+    finally:
+        plan.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            vector_to_parameters(start, params)
+    target_delta = 1.0 / n if target_delta is None else target_delta
+    return SampleDPResult(update, float(plan.accountant.get_epsilon(delta=target_delta)), plan.steps, plan.event,
+                          target_delta, sum(losses) / len(losses) if losses else math.nan, n)
+
+
+METRIC_PREFIX = "sample-dp-"
+
+
+def event_metrics(result: SampleDPResult) -> dict[str, float]:
+    """A client's reply metrics describing its round's releases: ``steps`` x ``GaussianRound(z, poisson, n, B)``.
+
+    ``population`` n and ``expected-batch`` B are in privacy units (``q = B / n``); ``delta`` is the
+    client's own δ and ``epsilon`` this participation's ε at it (diagnostic).
+    """
+    e = result.event
+    return {f"{METRIC_PREFIX}noise-multiplier": e.noise_multiplier, f"{METRIC_PREFIX}population": e.population,
+            f"{METRIC_PREFIX}expected-batch": e.expected_cohort, f"{METRIC_PREFIX}q": e.q,
+            f"{METRIC_PREFIX}steps": result.steps, f"{METRIC_PREFIX}delta": result.target_delta,
+            f"{METRIC_PREFIX}epsilon": result.epsilon}
+
+
+def event_from_metrics(metrics) -> tuple[GaussianRound, int, float]:
+    """Inverse of :func:`event_metrics`: ``(event, steps, delta)`` (raises KeyError/ValueError if malformed)."""
+    get = lambda name: metrics[f"{METRIC_PREFIX}{name}"]  # noqa: E731
+    event = GaussianRound(float(get("noise-multiplier")), "poisson", int(get("population")),
+                          float(get("expected-batch")))
+    return event, int(get("steps")), float(get("delta"))
 
 
 class ClientPrivacyAccountant:

@@ -9,6 +9,10 @@ Message contract (``message_type``):
   with the same data order and sends ``c Delta(lookahead) + (1 - c) Delta(x_t)``); reply
   ``{"arrays": Delta_i = x_local - x_t (flat COO: indices, values), "metrics": {"train_loss",
   "num-examples"}}``.
+  With ``client.sample_dp`` the client trains with record-level DP
+  (:func:`~fedprivacy.client.sample_dp.train_sample_dp_softmax`, a dense delta) and adds its
+  round's releases to the metrics (:func:`~fedprivacy.client.sample_dp.event_metrics`: noise
+  multiplier, q_i, steps, n_i in units, its delta) for the server's per-client ledger.
   Central placement (default): the client does not clip; the server clips what it receives
   (invariant 1 holds because the reply IS the transmitted vector). Distributed and local
   placements: the client clips and adds its noise itself and sends the DENSE noised vector
@@ -20,20 +24,25 @@ from __future__ import annotations
 import functools
 import weakref
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
+from fedprivacy.client.sample_dp import event_metrics, train_sample_dp_softmax
 from fedprivacy.client.trainer import client_generator, local_sgd
-from fedprivacy.config import DataConfig, RunConfig
+from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
 from fedprivacy.optim.disk import disk_combination
+from fedprivacy.optim.sample_dp import SampleDPConfig
 from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
 from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
 from fedprivacy.fl.server_app import config_from_context
 from fedprivacy.task import load_task
+
+SAMPLE_DP_STREAM = 0x73616D706C65  # "sample": a client's sample-level DP streams, per (run seed, round, client)
 
 
 @functools.lru_cache(maxsize=2)
@@ -75,6 +84,12 @@ class _LastDecoded:
         return self._vector
 
 
+def sample_dp_config(s: SampleDPClientConfig) -> SampleDPConfig:
+    """The optimizer hyperparameters of ``client.sample_dp`` (other settings: SampleDPConfig's defaults)."""
+    return SampleDPConfig(base=s.optimizer, lr=s.lr, noise_multiplier=s.noise_multiplier, clip_norm=s.clip_norm,
+                          batch_size=s.batch_size, micro_batch_size=s.micro_batch_size or 1)
+
+
 def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None) -> ClientApp:
     """A ClientApp bound to ``cfg`` (or reading it from Flower's run config when ``cfg`` is None),
     with optional Flower mods (client-side middleware) wrapped around it."""
@@ -102,7 +117,16 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
                              lr=c.client.lr, rng=client_generator(c.seed, server_round, partition), start_from=start)
 
         lookahead = msg.content.array_records.get("lookahead")
-        if lookahead is None:
+        s = c.client.sample_dp
+        privacy_metrics = {}
+        if s is not None:  # record-level DP; the config excludes DiSK's lookahead
+            seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition])
+            result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
+                                             target_delta=s.target_delta, accountant=s.accountant,
+                                             secure_noise=c.privacy.secure_noise)
+            update = SparseUpdate.dense(result.delta)
+            privacy_metrics = event_metrics(result)
+        elif lookahead is None:
             result = train_from(None)
             update = result.update
         else:
@@ -117,7 +141,8 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
             update = SparseUpdate.dense(privatize_upload_(update.to_dense().clone(), p.clip_norm, std, noise))
         content = RecordDict({
             "arrays": update_to_record(update),
-            "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples}),
+            "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples,
+                                     **privacy_metrics}),
         })
         return Message(content, reply_to=msg)
 

@@ -29,6 +29,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from fedprivacy.client.sample_dp import event_from_metrics
 from fedprivacy.client.trainer import evaluate
 from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig, config_from_json, load_config
 from fedprivacy.fl.records import model_to_record, record_to_update
@@ -161,7 +162,7 @@ class DPFedAvgServer:
                               if p.adaptive_clipping else None)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
         self.ledger = PrivacyLedger()
-        self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise), reported per client
+        self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise, sample-level DP), per client
         self.round = 0
         self.outputs = RunOutputs(cfg)
 
@@ -212,7 +213,9 @@ class DPFedAvgServer:
                                 "aggregation, and holds only in rounds whose server_noise_std top-up is 0)",
                  "local": "noise added by each client to its own upload (per-client local epsilon in "
                           "client_privacy.csv)"}[p.placement]
-        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}"
+        records = ("; clients train with sample-level DP (record-level epsilon of each client, at its own delta, "
+                   "in client_privacy.csv)" if self.cfg.client.sample_dp is not None else "")
+        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}{records}"
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
@@ -305,6 +308,15 @@ class DPFedAvgServer:
             expected.discard(src)
             if p.placement == "local" and not reply.has_error():  # the client released a noised upload
                 self.client_ledgers.compose(partition_of[src], local_upload_event(p.noise_multiplier))
+            if self.cfg.client.sample_dp is not None and not reply.has_error():  # its record-level DP steps
+                try:
+                    step_event, steps, client_delta = event_from_metrics(reply.content["metrics"])
+                except (KeyError, TypeError, ValueError) as err:
+                    log.warning("round %d: node %s sent no valid sample-DP event (%s); its record-level privacy "
+                                "is unaccounted and it contributes zero", self.round, src, err)
+                    agg.add_(None)
+                    continue
+                self.client_ledgers.compose(partition_of[src], step_event, steps, delta=client_delta)
             if reply.has_error():
                 log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
                 agg.add_(None)

@@ -206,6 +206,26 @@ class SampleDPOptimizer(DPOptimizer):
             p.summed_grad = clipped if p.summed_grad is None else p.summed_grad + clipped
             _mark_as_processed(p.grad_sample)
 
+    def step_clipped_sum(self, clipped_sum: Sequence[torch.Tensor]) -> None:
+        r"""One step from a clipped sum :math:`\sum_j \min(1, C/\lVert u_j\rVert_2)\, u_j` computed outside Opacus.
+
+        For models whose per-unit gradients are cheaper in closed form than through a
+        ``GradSampleModule`` (e.g. exact ghost norms of softmax regression on sparse inputs,
+        :func:`~fedprivacy.client.sample_dp.softmax_regression_clipped_sum`). ``clipped_sum`` holds one
+        tensor per parameter (this optimizer's order); it becomes ``p.summed_grad`` and every
+        parameter gets a ZERO-row ``grad_sample``, so :meth:`step` runs unchanged: nothing more is
+        clipped, then the dense noise, the division by B, the accountant hook (one batch) and the
+        base step. The caller is responsible for the clip (C, and the units' preconditioning).
+        """
+        if self.disk is not None:
+            raise ValueError("step_clipped_sum does not support DiSK (its two passes need per-sample gradients)")
+        for p, s in zip(self.params, clipped_sum, strict=True):
+            if s.shape != p.shape:
+                raise ValueError(f"clipped sum of shape {tuple(s.shape)} for a parameter of shape {tuple(p.shape)}")
+            p.summed_grad = s.to(p.dtype)
+            p.grad_sample = p.new_zeros((0, *p.shape))
+        self.step()
+
     def _two_point_grad_samples(self, closure: Callable[[], float]) -> float:
         """DiSK line 5 before the clip: per-sample ``c g(x + gamma d) + (1 - c) g(x)`` as ONE batch."""
         x = parameters_to_vector(self.params).detach()

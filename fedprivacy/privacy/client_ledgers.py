@@ -7,8 +7,10 @@ own examples). Each client's releases are composed only over the rounds it took 
 :class:`~fedprivacy.privacy.accounting.PrivacyLedger` of its own, and reported separately from the
 run's user-level epsilon (ARCHITECTURE, "Noise placements").
 
-Composition is order-free, so clients whose ledgers hold the same multiset of events share one
-epsilon computation (with k participations of one event type there are at most k distinct values).
+Composition is order-free, so clients whose ledgers hold the same multiset of events (and the same
+delta) share one epsilon computation (with k participations of one event type there are at most k
+distinct values). Each client's epsilon is at the run's delta unless the client has its own (record-
+level DP: by default 1 / n_i, its own number of records), recorded with :meth:`ClientLedgers.compose`.
 """
 
 from __future__ import annotations
@@ -24,25 +26,34 @@ from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, Privacy
 
 
 class ClientLedgers:
-    """``partition id -> PrivacyLedger`` of the client-side releases of each client."""
+    """``partition id -> PrivacyLedger`` of the client-side releases of each client (and its own delta, if any)."""
 
     def __init__(self) -> None:
         self._ledgers: dict[int, PrivacyLedger] = {}
+        self._deltas: dict[int, float] = {}
 
-    def compose(self, client: int, event: GaussianRound, count: int = 1) -> None:
+    def compose(self, client: int, event: GaussianRound, count: int = 1, delta: float | None = None) -> None:
+        """Add ``count`` releases of ``event`` to ``client``'s ledger; ``delta``: the client's own delta from now on."""
         self._ledgers.setdefault(client, PrivacyLedger()).compose(event, count)
+        if delta is not None:
+            self._deltas[client] = delta
+
+    def delta(self, client: int, default: float) -> float:
+        """The delta of ``client``'s epsilon: its own, else ``default`` (the run's)."""
+        return self._deltas.get(client, default)
 
     def __len__(self) -> int:
         return len(self._ledgers)
 
     def epsilons(self, delta: float, kind: AccountantKind) -> dict[int, float]:
-        """Each client's epsilon at ``delta`` (computed once per distinct multiset of events)."""
-        memo: dict[frozenset, float] = {}
+        """Each client's epsilon at its own delta, else ``delta`` (once per distinct multiset of events and delta)."""
+        memo: dict[tuple[frozenset, float], float] = {}
         out = {}
         for client, ledger in self._ledgers.items():
-            key = frozenset(_multiset(ledger).items())
+            client_delta = self.delta(client, delta)
+            key = (frozenset(_multiset(ledger).items()), client_delta)
             if key not in memo:
-                memo[key] = float(epsilon(ledger, delta, kind))
+                memo[key] = float(epsilon(ledger, client_delta, kind))
             out[client] = memo[key]
         return out
 
@@ -55,17 +66,22 @@ class ClientLedgers:
                 "client_epsilon_median": float(statistics.median(eps))}
 
     def write_csv(self, path: Path, delta: float, kinds: list[AccountantKind]) -> None:
-        """One row per client: id, releases composed, epsilon under each accountant."""
+        """One row per client: id, releases composed, the delta, epsilon under each accountant."""
         per_kind = {k: self.epsilons(delta, k) for k in kinds}
-        rows = [{"client": c, "releases": ledger.rounds, **{f"epsilon_{k}": per_kind[k][c] for k in kinds}}
+        rows = [{"client": c, "releases": ledger.rounds, "delta": self.delta(c, delta),
+                 **{f"epsilon_{k}": per_kind[k][c] for k in kinds}}
                 for c, ledger in sorted(self._ledgers.items())]
         pd.DataFrame(rows).to_csv(path, index=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return {str(c): ledger.state_dict() for c, ledger in self._ledgers.items()}
+        return {"ledgers": {str(c): ledger.state_dict() for c, ledger in self._ledgers.items()},
+                "deltas": {str(c): d for c, d in self._deltas.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._ledgers = {int(c): PrivacyLedger.from_state_dict(s) for c, s in state.items()}
+        """Restore :meth:`state_dict` output (or the older ``{client: ledger}`` form, without deltas)."""
+        ledgers, deltas = (state["ledgers"], state["deltas"]) if "ledgers" in state else (state, {})
+        self._ledgers = {int(c): PrivacyLedger.from_state_dict(s) for c, s in ledgers.items()}
+        self._deltas = {int(c): float(d) for c, d in deltas.items()}
 
 
 def _multiset(ledger: PrivacyLedger) -> Counter:
