@@ -324,7 +324,8 @@ def softmax_regression_clipped_sum(x: sp.csr_matrix, y: torch.Tensor, weight: to
     coo = x.tocoo()
     rows, cols = torch.from_numpy(coo.row.astype(np.int64)), torch.from_numpy(coo.col.astype(np.int64))
     values = torch.from_numpy(coo.data).to(dtype)
-    xs = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (n, vocab), device=device)
+    xs = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (n, vocab), device=device,
+                                 check_invariants=False)  # in range by construction
     logits = torch.sparse.mm(xs, weight) + bias
     losses = nn.functional.cross_entropy(logits, y, reduction="none")
     g = torch.softmax(logits, dim=1)
@@ -339,7 +340,7 @@ def softmax_regression_clipped_sum(x: sp.csr_matrix, y: torch.Tensor, weight: to
     norms = ((gram_x.to(dtype=dtype, device=device) + 1.0) * gram_g).sum(dim=(1, 2)).clamp_min(0.0).sqrt() / k
     scale = (clip_factors(norms, clip_norm) / k).repeat_interleave(k)
     scaled = g * scale[:, None]
-    xt = torch.sparse_coo_tensor(torch.stack([cols, rows]), values, (vocab, n), device=device)
+    xt = torch.sparse_coo_tensor(torch.stack([cols, rows]), values, (vocab, n), device=device, check_invariants=False)
     return ClippedSum(torch.sparse.mm(xt, scaled), scaled.sum(0), norms, losses)
 
 
