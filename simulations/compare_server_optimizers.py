@@ -28,7 +28,10 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
     "DP-FedAdam": ({"optimizer": "adam"}, [0.01, 0.03, 0.1]),
     "DP-FedYogi": ({"optimizer": "yogi"}, [0.01, 0.03, 0.1]),
     "DP-FedAdagrad": ({"optimizer": "adagrad"}, [0.03, 0.1, 0.3]),
-    "DP-FedAdamBC": ({"optimizer": "adambc"}, [0.001, 0.003, 0.01]),
+    "DP-FedAdamBC": ({"optimizer": "adambc"}, [0.001, 0.003, 0.01]),  # gamma' = 0.01 Phi (our default)
+    # the paper tunes gamma' relative to Phi = (zC/m)^2 = 0.01 here (its values span 0.004 to 0.84 Phi)
+    "DP-FedAdamBC-g0.1Phi": ({"optimizer": "adambc", "gamma_prime": 0.001}, [0.003, 0.01]),
+    "DP-FedAdamBC-g1Phi": ({"optimizer": "adambc", "gamma_prime": 0.01}, [0.01, 0.03]),
     "DiSK + FedAvgM": ({"optimizer": "sgd", "momentum": 0.9, "disk": {"kappa": 0.7, "gamma": 0.5}}, [0.3, 1.0]),
     "DP-MicroAdam": ({"optimizer": "microadam"}, [0.01, 0.03, 0.1]),
 }
