@@ -20,12 +20,15 @@ Population mapping: **each SuperNode is one user**. The ServerApp asks every nod
 is N: with ``--supernodes N`` smaller than the data set's users, ``data.max_clients`` is set to N
 (the first N users); more SuperNodes than users, or a cohort larger than N, is an error.
 
-Identity and security: every SuperNode gets its own key pair, registered with the SuperLink
-(``flwr supernode register``) before it starts, so its node id is tied to its key and stays the same
-when it restarts (a restarted SuperNode rejoins as the same client). In secure mode (the default)
-the SuperLink serves TLS with a generated localhost certificate and enforces SuperNode
-authentication (``--enable-supernode-auth``: only registered keys connect, every request signed).
-``secure=False`` uses plaintext HTTP; identities are still registered but not enforced.
+Identity and security (secure mode, the default): the SuperLink serves TLS with a generated
+localhost certificate and enforces SuperNode authentication (``--enable-supernode-auth``). Every
+SuperNode gets its own key pair, registered with the SuperLink (``flwr supernode register``) before
+it starts; only registered keys connect, and a node's id is tied to its key, so a restarted
+SuperNode rejoins as the same node and the ServerApp's partition -> node map stays valid.
+``secure=False`` uses plaintext HTTP and no keys (Flower refuses a key without TLS): each SuperNode
+registers itself with a fresh key and unregisters when it stops, so a stopped SuperNode stays a
+dropout for the rest of the run and a restarted one comes back under a NEW node id the ServerApp
+does not know (it never rejoins). Use secure mode to prototype restarts.
 
 Dropouts (invariant 11): a SuperNode that stops (or is killed) is marked offline by the SuperLink,
 which then answers the server's pending messages to it with a "node unavailable" error reply; the
@@ -142,6 +145,22 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def processes_using(flwr_home: Path) -> list[int]:
+    """Live pids (other than zombies) whose environment has ``FLWR_HOME=<flwr_home>``: every process of
+    one deployment, Flower's own children included (they inherit the environment)."""
+    needle = f"FLWR_HOME={Path(flwr_home).resolve()}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and _alive(int(entry)):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
 
 
 @dataclass
@@ -327,17 +346,18 @@ class LocalDeployment:
         self._stopped = False
         if self.secure:
             self.tls = generate_tls(self.workdir / "tls")
-        self.keys = [generate_node_keys(self.workdir / "keys", f"supernode-{i}") for i in range(self.num_supernodes)]
         self.port, *self.node_ports = free_ports(1 + self.num_supernodes, self.host)
         self._write_cli_config()
         self._start_superlink()
-        self.node_ids = [self._register(i) for i in range(self.num_supernodes)]
+        if self.secure:
+            self.keys = [generate_node_keys(self.workdir / "keys", f"supernode-{i}") for i in range(self.num_supernodes)]
+            self.node_ids = [self._register(i) for i in range(self.num_supernodes)]
         self.supernodes = [self._supernode_process(i) for i in range(self.num_supernodes)]
         for p in self.supernodes:
             p.start()
         log.info("deployment: SuperLink %s (%s), %d SuperNodes (node ids %s); logs in %s", self.address,
                  "TLS + SuperNode auth" if self.secure else "insecure", self.num_supernodes,
-                 ", ".join(map(str, self.node_ids)), self.logs)
+                 ", ".join(map(str, self.node_ids)) or "self-registered", self.logs)
 
     def _write_cli_config(self) -> None:
         lines = ["[superlink]", f"default = {_toml_str(CONNECTION)}", "", f"[superlink.{CONNECTION}]",
@@ -395,9 +415,12 @@ class LocalDeployment:
 
     def _supernode_process(self, index: int) -> ManagedProcess:
         argv = [self._exe("flower-supernode"), "--superlink", self.address, "--host", self.host,
-                "--port", str(self.node_ports[index]), "--node-config", self._node_config(index),
-                "--auth-supernode-private-key", str(self.keys[index].private_key)]
-        argv += ["--root-certificates", str(self.tls.ca_cert)] if self.secure else ["--insecure"]
+                "--port", str(self.node_ports[index]), "--node-config", self._node_config(index)]
+        if self.secure:
+            argv += ["--root-certificates", str(self.tls.ca_cert),
+                     "--auth-supernode-private-key", str(self.keys[index].private_key)]
+        else:  # Flower refuses a key without TLS: the node registers itself with a fresh key on each start
+            argv += ["--insecure"]
         return ManagedProcess(f"supernode-{index}", argv, self.logs / f"supernode-{index}.log", self.env, self.workdir)
 
     def kill_supernode(self, index: int, sig: int = signal.SIGTERM) -> None:
@@ -428,6 +451,12 @@ class LocalDeployment:
                 p.signal_group(signal.SIGTERM)
         for p in procs:
             p.stop()
+        deadline = time.monotonic() + STOP_GRACE_S  # last sweep: anything still carrying this FLWR_HOME
+        while (left := processes_using(self.home)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         if self._atexit:
             with contextlib.suppress(Exception):
                 atexit.unregister(self.stop)
@@ -558,6 +587,9 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
                 for i, node in enumerate(deployment.supernodes):
                     if node.popen is not None and not node.running() and not node.expected_exit:
                         node.expected_exit = True
+                        if seen == 0 and not resume:  # before round 1: it never joined, the run cannot start
+                            raise DeploymentError(f"supernode-{i} exited during start-up (code {node.popen.returncode}):\n"
+                                                  + deployment.tail(node.log_path))
                         printer(f"deployment: supernode-{i} exited (code {node.popen.returncode}); "
                                 f"its client is a dropout ({on_supernode_exit})")
                         if on_supernode_exit == "abort":
