@@ -570,11 +570,13 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     seen = len(_read_rows(metrics_path)) if resume else 0
     started = time.time()
     deployment = LocalDeployment(workdir, n, secure=secure)
-    previous_sigterm = None
+    previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        def _on_sigterm(signum: int, frame: object) -> None:
+        def _interrupt(signum: int, frame: object) -> None:
             raise KeyboardInterrupt(f"signal {signum}")
-        previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+        # Ctrl-C and SIGTERM both shut the deployment down (SIGINT explicitly: a launcher started in
+        # the background by a non-interactive shell inherits SIGINT as ignored)
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with deployment:
             app = deployment.write_app(config_yaml, resume=resume)
@@ -614,8 +616,8 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
                 raise DeploymentError("the run ended without writing summary.json; the ServerApp's log:\n"
                                       + deployment.tail(run.log_path, 60))
     finally:
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     report = resources.collect(deployment.resource_dir, out)
     summary = json.loads(summary_path.read_text())
     summary["engine"] = "deployment"  # the config's engine field names the simulation engines only
