@@ -592,8 +592,9 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
                         if seen == 0 and not resume:  # before round 1: it never joined, the run cannot start
                             raise DeploymentError(f"supernode-{i} exited during start-up (code {node.popen.returncode}):\n"
                                                   + deployment.tail(node.log_path))
-                        printer(f"deployment: supernode-{i} exited (code {node.popen.returncode}); "
-                                f"its client is a dropout ({on_supernode_exit})")
+                        printer(f"deployment: supernode-{i} exited (code {node.popen.returncode}); its client is a "
+                                + ("dropout until it rejoins; restarting it" if on_supernode_exit == "restart"
+                                   else "dropout" if on_supernode_exit == "continue" else "failure; aborting"))
                         if on_supernode_exit == "abort":
                             raise DeploymentError(f"supernode-{i} exited:\n{deployment.tail(node.log_path)}")
                         if on_supernode_exit == "restart":
