@@ -304,6 +304,10 @@ class RunConfig(_Section):
     small sparse ops, which threads slow down more than they help (see BENCHMARKS.md)."""
     output_dir: Path = Path("runs/quickstart")
     checkpoint_every: int = Field(1, ge=1)
+    round_timeout_s: float | None = Field(None, gt=0.0)
+    """Stop waiting for a round's replies after this many seconds (``None``: wait for all). Clients
+    that have not replied by then are dropouts: they contribute zero, noise and divisor unchanged.
+    Useful under deployment, where a SuperNode that dies mid-round would otherwise be waited for."""
     data: DataConfig = DataConfig()
     client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()

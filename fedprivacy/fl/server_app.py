@@ -300,7 +300,7 @@ class DPFedAvgServer:
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
         partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
-        for reply in grid.send_and_receive(messages):
+        for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s):
             src = reply.metadata.src_node_id
             if src not in expected:  # a duplicate or unsolicited reply never counts twice
                 log.warning("round %d: ignoring unexpected reply from node %s", self.round, src)
