@@ -20,7 +20,7 @@ target at every position whose target is not pad, OOV or EOS (BOS never is a tar
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +130,22 @@ def _text(example: Mapping[str, list], where: str) -> bytes:
     return value[0]
 
 
+def iter_token_rows(source: ExampleSource, word_count_path: str | Path, split: str, *,
+                    vocab_size: int, seq_len: int, clients: Sequence[str] | None = None
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+    """Streams ``(client_id, token rows)`` per client (see :func:`load_next_word`).
+
+    One client is in memory at a time (the streaming cache writer relies on it).
+    """
+    words = [w.encode("utf-8") for w in read_word_counts(word_count_path, vocab_size)]
+    word_index = pd.Index(words, dtype=object)
+    where = source.split_file(split)
+    for client, examples in source.iter_client_examples(split, clients):
+        texts = [_text(e, f"{where}: client {client!r}, example {j}")
+                 for j, e in enumerate(examples)]
+        yield client, to_ids(texts, word_index, seq_len, vocab_size)
+
+
 def load_next_word(source: ExampleSource | str | Path, word_count_path: str | Path,
                    split: str, *, vocab_size: int = 10_000, seq_len: int = 20,
                    clients: Sequence[str] | None = None) -> FederatedTokenData:
@@ -152,16 +168,12 @@ def load_next_word(source: ExampleSource | str | Path, word_count_path: str | Pa
         raise ValueError(f"vocab_size and seq_len must be >= 1, got {vocab_size}, {seq_len}")
     if not isinstance(source, ExampleSource):
         source = open_source("tff-sqlite", source)
-    words = [w.encode("utf-8") for w in read_word_counts(word_count_path, vocab_size)]
-    word_index = pd.Index(words, dtype=object)
-    where = source.split_file(split)
     ids: list[str] = []
     parts: list[np.ndarray] = []
-    for client, examples in source.iter_client_examples(split, clients):
+    for client, rows in iter_token_rows(source, word_count_path, split, vocab_size=vocab_size,
+                                        seq_len=seq_len, clients=clients):
         ids.append(client)
-        texts = [_text(e, f"{where}: client {client!r}, example {j}")
-                 for j, e in enumerate(examples)]
-        parts.append(to_ids(texts, word_index, seq_len, vocab_size))
+        parts.append(rows)
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([len(p) for p in parts], out=offsets[1:])
     tokens = (np.concatenate(parts) if parts

@@ -6,6 +6,11 @@ arrays of one split for a user selection: the first ``first`` users in sorted cl
 (:mod:`fedprivacy.data.cache`) holds the selection *spec*, the preprocessing options and the
 source format and path; the identities of the example, word-count and tag-count files decide
 whether an entry is fresh. A fresh entry is memory-mapped: no file is parsed.
+
+With a cache folder, a missing or stale entry is built **streaming**: each client's rows are
+appended to the entry's files as soon as they are preprocessed (:class:`~fedprivacy.data.cache.StreamWriter`),
+so peak memory stays bounded by the largest client as the split grows; the arrays are
+identical to those of the in-memory build (``cache_root=None``), which returns plain arrays.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fedprivacy.data.cache import csr_arrays, csr_from_arrays, load_or_build
-from fedprivacy.data.next_word import FederatedTokenData, load_next_word
+from fedprivacy.data.cache import (StreamWriter, csr_arrays, csr_from_arrays, csr_index_dtype,
+                                   load_or_build)
+from fedprivacy.data.next_word import FederatedTokenData, iter_token_rows, load_next_word
 from fedprivacy.data.sources import ExampleSource, file_identity
-from fedprivacy.data.tag_prediction import FederatedTagData, NoTag, load_tag_prediction
+from fedprivacy.data.tag_prediction import (FederatedTagData, NoTag, iter_tag_rows,
+                                            load_tag_prediction)
 from fedprivacy.data.views import sample_clients
 
 __all__ = ["prepared_tags", "prepared_tokens"]
@@ -74,7 +81,48 @@ def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tag
                   "client_ids": np.array(data.client_ids, dtype=str)}
         return arrays, {"num_dropped": data.num_dropped}
 
-    arrays, meta, status = load_or_build(cache_root, f"tag-{split}", config, identities, build)
+    def stream(writer: StreamWriter) -> dict:
+        if vocab_size < 1 or num_tags < 1 or no_tag not in ("label0", "drop"):
+            load_tag_prediction(source, source.word_count, source.tag_count, split,
+                                vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag,
+                                clients=[])  # raises the same ValueError as the build
+        ids: list[str] = []
+        sizes: list[int] = []
+        dropped = 0
+        for prefix in ("features", "tags"):
+            writer.append(f"{prefix}_data", np.empty(0, np.float32))
+            writer.append(f"{prefix}_indices", np.empty(0, np.int32))
+            writer.append(f"{prefix}_indptr", np.zeros(1, np.int64))
+        writer.append("labels", np.empty(0, np.int64))
+        nnz = {"features": 0, "tags": 0}
+        for client, rows in iter_tag_rows(source, source.word_count, source.tag_count, split,
+                                          vocab_size=vocab_size, num_tags=num_tags,
+                                          no_tag=no_tag,
+                                          clients=_select_ids(source, split, first, sample,
+                                                              seed)):
+            ids.append(client)
+            sizes.append(len(rows.labels))
+            dropped += rows.dropped
+            for prefix, row_nnz, columns, values in (
+                    ("features", rows.row_nnz, rows.columns, rows.values),
+                    ("tags", rows.tag_nnz, rows.tag_columns,
+                     np.ones(len(rows.tag_columns), np.float32))):
+                writer.append(f"{prefix}_data", values.astype(np.float32, copy=False))
+                writer.append(f"{prefix}_indices", columns.astype(np.int32, copy=False))
+                writer.append(f"{prefix}_indptr", nnz[prefix] + np.cumsum(row_nnz,
+                                                                          dtype=np.int64))
+                nnz[prefix] += int(row_nnz.sum())
+            writer.append("labels", rows.labels.astype(np.int64, copy=False))
+        for prefix in ("features", "tags"):  # the in-memory build's index dtype rule
+            writer.retype(f"{prefix}_indices", csr_index_dtype(nnz[prefix]))
+            writer.retype(f"{prefix}_indptr", csr_index_dtype(nnz[prefix]))
+        writer.put("offsets", np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+                   .astype(np.int64))
+        writer.put("client_ids", np.array(ids, dtype=str))
+        return {"num_dropped": dropped}
+
+    arrays, meta, status = load_or_build(cache_root, f"tag-{split}", config, identities, build,
+                                         stream)
     data = FederatedTagData(
         features=csr_from_arrays(arrays, "features", vocab_size), labels=arrays["labels"],
         tags=csr_from_arrays(arrays, "tags", num_tags), offsets=arrays["offsets"],
@@ -101,8 +149,27 @@ def prepared_tokens(source: ExampleSource, split: str, *, vocab_size: int, seq_l
         return {"tokens": data.tokens, "offsets": data.offsets,
                 "client_ids": np.array(data.client_ids, dtype=str)}, {}
 
+    def stream(writer: StreamWriter) -> dict:
+        if vocab_size < 1 or seq_len < 1:
+            load_next_word(source, source.word_count, split, vocab_size=vocab_size,
+                           seq_len=seq_len, clients=[])  # raises the build's ValueError
+        ids: list[str] = []
+        sizes: list[int] = []
+        writer.append("tokens", np.zeros((0, seq_len + 1), np.int32))
+        for client, rows in iter_token_rows(source, source.word_count, split,
+                                            vocab_size=vocab_size, seq_len=seq_len,
+                                            clients=_select_ids(source, split, first, sample,
+                                                                seed)):
+            ids.append(client)
+            sizes.append(len(rows))
+            writer.append("tokens", rows)
+        writer.put("offsets", np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+                   .astype(np.int64))
+        writer.put("client_ids", np.array(ids, dtype=str))
+        return {}
+
     arrays, _, status = load_or_build(cache_root, f"next_word-{split}", config, identities,
-                                      build)
+                                      build, stream)
     data = FederatedTokenData(tokens=arrays["tokens"], offsets=arrays["offsets"],
                               client_ids=_client_ids(arrays), vocab_size=vocab_size,
                               seq_len=seq_len)

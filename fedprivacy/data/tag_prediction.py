@@ -27,7 +27,7 @@ of the multi-label task of Reddi et al. (2021, arXiv:2003.00295, App. C; TFF's
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -158,6 +158,30 @@ def _csr(row_nnz: np.ndarray, columns: np.ndarray, values: np.ndarray,
     return sparse.csr_matrix((values, columns, indptr), shape=(len(row_nnz), width))
 
 
+def iter_tag_rows(source: ExampleSource, word_count_path: str | Path,
+                  tag_count_path: str | Path, split: str, *, vocab_size: int, num_tags: int,
+                  no_tag: NoTag, max_clients: int | None = None,
+                  clients: Sequence[str] | None = None) -> Iterator[tuple[str, _ClientRows]]:
+    """Streams ``(client_id, CSR pieces)`` per client in sorted client-id order.
+
+    The arguments are those of :func:`load_tag_prediction` (validated there). One client is in
+    memory at a time, so a caller that writes each client's pieces out (the streaming cache
+    writer of :mod:`fedprivacy.data.prepared`) preprocesses in memory bounded by the largest
+    client, not by the split.
+    """
+    words = [w.encode("utf-8") for w in read_word_counts(word_count_path, vocab_size)]
+    word_index = pd.Index(words, dtype=object)
+    tags = list(read_tag_counts(tag_count_path))[:num_tags]
+    tag_index = {tag.encode("utf-8"): i for i, tag in enumerate(tags)}
+    wanted = clients
+    if max_clients is not None:
+        wanted = source.client_ids(split)[:max_clients]
+    where = source.split_file(split)
+    for client, examples in source.iter_client_examples(split, wanted):
+        yield client, _client_rows(examples, word_index, tag_index, no_tag,
+                                   f"{where}: client {client!r}")
+
+
 def load_tag_prediction(source: ExampleSource | str | Path, word_count_path: str | Path,
                         tag_count_path: str | Path, split: str, *, vocab_size: int = 10_000,
                         num_tags: int = 500, no_tag: NoTag = "label0",
@@ -203,21 +227,13 @@ def load_tag_prediction(source: ExampleSource | str | Path, word_count_path: str
     if not isinstance(source, ExampleSource):
         source = open_source("tff-sqlite", source)
 
-    words = [w.encode("utf-8") for w in read_word_counts(word_count_path, vocab_size)]
-    word_index = pd.Index(words, dtype=object)
-    tags = list(read_tag_counts(tag_count_path))[:num_tags]
-    tag_index = {tag.encode("utf-8"): i for i, tag in enumerate(tags)}
-    wanted = clients
-    if max_clients is not None:
-        wanted = source.client_ids(split)[:max_clients]
-
     ids: list[str] = []
     parts: list[_ClientRows] = []
-    where = source.split_file(split)
-    for client, examples in source.iter_client_examples(split, wanted):
+    for client, rows in iter_tag_rows(source, word_count_path, tag_count_path, split,
+                                      vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag,
+                                      max_clients=max_clients, clients=clients):
         ids.append(client)
-        parts.append(_client_rows(examples, word_index, tag_index, no_tag,
-                                  f"{where}: client {client!r}"))
+        parts.append(rows)
 
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts])

@@ -162,3 +162,65 @@ def test_task_classes_losses_and_evaluation(so_files: SyntheticFiles, tmp_path: 
     metrics = words.evaluate(model)
     assert set(metrics) == {"test_loss", "test_accuracy", "test_accuracy_with_oov_eos"}
     assert 0 <= words.majority_baseline <= 1
+
+
+@pytest.mark.parametrize("no_tag", ["label0", "drop"])
+def test_streamed_cache_equals_in_memory_build(so_files: SyntheticFiles, tmp_path: Path,
+                                               no_tag: str) -> None:
+    """A cache entry is written client by client (StreamWriter); it must hold exactly the
+    arrays of the in-memory build (same dtypes, shapes, values) and load back as .npy files
+    identical to np.save of those arrays."""
+    from fedprivacy.data.cache import csr_arrays
+
+    source = open_source("tff-sqlite", so_files.sqlite)
+    for split in ("train", "test"):
+        kw = dict(vocab_size=10_000, num_tags=50, no_tag=no_tag)
+        memory, status = prepared_tags(source, split, **kw)
+        assert status == "disabled"
+        streamed, status = prepared_tags(source, split, cache_root=tmp_path / split, **kw)
+        assert status == "built"
+        assert isinstance(streamed.labels, np.memmap)
+        assert streamed.client_ids == memory.client_ids
+        assert streamed.num_dropped == memory.num_dropped
+        expected = {**csr_arrays("features", memory.features), **csr_arrays("tags", memory.tags),
+                    "labels": memory.labels, "offsets": memory.offsets,
+                    "client_ids": np.array(memory.client_ids, dtype=str)}
+        (entry,) = (tmp_path / split).glob(f"tag-{split}-*")
+        meta = json.loads((entry / "meta.json").read_text())
+        assert set(meta["arrays"]) == set(expected)
+        for name, array in expected.items():
+            on_disk = np.load(entry / f"{name}.npy", allow_pickle=False)
+            assert on_disk.dtype == array.dtype and on_disk.shape == array.shape, name
+            np.testing.assert_array_equal(on_disk, array, err_msg=name)
+            assert meta["arrays"][name] == {"dtype": str(array.dtype),
+                                            "shape": list(array.shape)}
+        assert (streamed.features != memory.features).nnz == 0
+        assert (streamed.tags != memory.tags).nnz == 0
+        assert prepared_tags(source, split, cache_root=tmp_path / split, **kw)[1] == "hit"
+
+    tokens, _ = prepared_tokens(source, "train", vocab_size=100, seq_len=7)
+    streamed, status = prepared_tokens(source, "train", vocab_size=100, seq_len=7,
+                                       cache_root=tmp_path / "nw")
+    assert status == "built" and streamed.tokens.dtype == np.int32
+    np.testing.assert_array_equal(streamed.tokens, tokens.tokens)
+    np.testing.assert_array_equal(streamed.offsets, tokens.offsets)
+    assert streamed.client_ids == tokens.client_ids
+
+
+def test_stream_writer_empty_and_retyped_arrays(tmp_path: Path) -> None:
+    from fedprivacy.data.cache import StreamWriter
+
+    writer = StreamWriter(tmp_path)
+    writer.append("empty", np.zeros((0, 3), np.int32))
+    for start in range(0, 10, 4):
+        writer.append("seq", np.arange(start, min(start + 4, 10), dtype=np.int64))
+    writer.retype("seq", np.int32)
+    writer.append("seq", np.array([10], np.int32))
+    with pytest.raises(ValueError, match="do not match"):
+        writer.append("seq", np.array([1.0]))
+    specs = writer.finish()
+    assert specs == {"empty": {"dtype": "int32", "shape": [0, 3]},
+                     "seq": {"dtype": "int32", "shape": [11]}}
+    assert np.load(tmp_path / "empty.npy").shape == (0, 3)
+    seq = np.load(tmp_path / "seq.npy", mmap_mode="r")
+    assert seq.dtype == np.int32 and seq.tolist() == list(range(11))
