@@ -119,25 +119,36 @@ def _take(values, rows: slice | np.ndarray):
 
 
 @dataclass(frozen=True)
-class TagPredictionTask:
-    """Single-label tag prediction (AdaDPS): softmax regression, cross-entropy, accuracy.
+class _BagOfWordsTask:
+    """What both tag tasks share: the data, the partition, and the logistic-regression model.
 
     Attributes:
         train: Preprocessed posts of the selected training users (possibly memory-mapped).
         partition: Rows of ``train`` owned by each client.
-        test_features, test_labels: The pooled evaluation set.
+        test_features, test_labels: The pooled evaluation set (labels: ids, or multi-hot CSR).
         public: The public pool (held-out users), or None.
     """
 
     train: FederatedTagData
     partition: Partition
     test_features: sp.csr_matrix
-    test_labels: np.ndarray
+    test_labels: np.ndarray | sp.csr_matrix
     public: FederatedTagData | None = None
 
     @property
     def population(self) -> int:
         return self.partition.num_clients
+
+    def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
+        return SparseLogisticRegression(self.train.vocab_size, self.train.num_tags).to(device)
+
+    def _client_rows(self, index: int) -> slice:
+        return slice(self.partition.starts[index], self.partition.stops[index])
+
+
+@dataclass(frozen=True)
+class TagPredictionTask(_BagOfWordsTask):
+    """Single-label tag prediction (AdaDPS): softmax regression, cross-entropy, accuracy."""
 
     @property
     def majority_baseline(self) -> float:
@@ -146,11 +157,8 @@ class TagPredictionTask:
         majority = np.bincount(labels, minlength=self.train.num_tags).argmax()
         return float(np.mean(self.test_labels == majority)) if len(self.test_labels) else float("nan")
 
-    def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
-        return SparseLogisticRegression(self.train.vocab_size, self.train.num_tags).to(device)
-
     def client_data(self, index: int) -> tuple[sp.csr_matrix, np.ndarray]:
-        rows = slice(self.partition.starts[index], self.partition.stops[index])
+        rows = self._client_rows(index)
         return _take(self.train.features, rows), _take(self.train.labels, rows)
 
     @staticmethod
@@ -166,32 +174,16 @@ class TagPredictionTask:
 
 
 @dataclass(frozen=True)
-class MultiLabelTagTask:
+class MultiLabelTagTask(_BagOfWordsTask):
     """Multi-label tag prediction (Reddi et al. 2021, App. C; TFF ``tag_prediction_tasks``).
 
     The same logistic-regression model, with an independent sigmoid per tag:
     ``loss = mean over the batch and the K tags of BCE(sigmoid(logit_k), t_k)``. TFF's Keras
     loss is the per-post mean over tags summed over the batch (``Reduction.SUM``); the mean here
     is that divided by the batch size, i.e. a rescaled learning rate. Metric: recall@5
-    (:func:`~fedprivacy.models.metrics.recall_at_k_counts`).
-
-    Attributes:
-        train: Preprocessed posts of the selected training users (``train.tags`` the targets).
-        partition: Rows of ``train`` owned by each client.
-        test_features: Pooled evaluation bags of words.
-        test_labels: Their multi-hot tags (CSR, ``(n, num_tags)``).
-        public: The public pool (held-out users), or None.
+    (:func:`~fedprivacy.models.metrics.recall_at_k_counts`). Targets: ``train.tags``; the test
+    labels are multi-hot CSR ``(n, num_tags)``.
     """
-
-    train: FederatedTagData
-    partition: Partition
-    test_features: sp.csr_matrix
-    test_labels: sp.csr_matrix
-    public: FederatedTagData | None = None
-
-    @property
-    def population(self) -> int:
-        return self.partition.num_clients
 
     @property
     def majority_baseline(self) -> float:
@@ -201,11 +193,8 @@ class MultiLabelTagTask:
         positives = self.test_labels.sum()
         return float(self.test_labels[:, top].sum() / positives) if positives else float("nan")
 
-    def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
-        return SparseLogisticRegression(self.train.vocab_size, self.train.num_tags).to(device)
-
     def client_data(self, index: int) -> tuple[sp.csr_matrix, sp.csr_matrix]:
-        rows = slice(self.partition.starts[index], self.partition.stops[index])
+        rows = self._client_rows(index)
         return _take(self.train.features, rows), _take(self.train.tags, rows)
 
     @staticmethod
