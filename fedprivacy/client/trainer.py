@@ -20,7 +20,9 @@ References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -74,17 +76,27 @@ class FlatView:
             p.view(-1)[local] = values[span]
 
 
-def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
-              batch_size: int, lr: float, rng: np.random.Generator,
-              start_from: torch.Tensor | None = None) -> LocalResult:
+def softmax_cross_entropy(logits: torch.Tensor, labels: np.ndarray) -> torch.Tensor:
+    """Mean softmax cross-entropy over the batch (the default task's loss)."""
+    return nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(labels, dtype=np.int64),
+                                                               device=logits.device))
+
+
+def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np.ndarray | sp.csr_matrix, *,
+              epochs: int, batch_size: int, lr: float, rng: np.random.Generator,
+              start_from: torch.Tensor | None = None,
+              loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> LocalResult:
     """Train from the model's weights (or from ``start_from``); return ``x_local - x_start``.
 
     The model holds ``x_t`` before and after the call. ``start_from`` (a full flat vector, e.g.
     DiSK's lookahead ``x_t + gamma d``) replaces the starting point on the support; this is exact
     because ``update_support`` lists every coordinate the loss on these rows reads or changes.
-    The loss is the mean cross-entropy over each batch. With ``lr = 0`` the delta is exactly zero.
+    The loss is ``loss_fn(model(features[batch]), labels[batch])``, by default the mean softmax
+    cross-entropy (then the sparse model trains in closed form on its weight rows); other tasks
+    (multi-label BCE, next-word) pass theirs and train by autograd. With ``lr = 0`` the delta is
+    exactly zero.
     """
-    if hasattr(model, "support_blocks"):
+    if loss_fn is None and hasattr(model, "support_blocks"):
         return _local_sgd_blocks(model, features, labels, epochs=epochs, batch_size=batch_size, lr=lr, rng=rng,
                                  start_from=start_from)
     view = FlatView(model)
@@ -97,7 +109,7 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, 
         view.scatter_(support, start)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     n = features.shape[0]
-    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+    loss_fn = loss_fn or softmax_cross_entropy
     loss_sum = 0.0
     model.train()
     try:
@@ -106,7 +118,7 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, 
             for lo in range(0, n, batch_size):
                 idx = order[lo:lo + batch_size]
                 optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(features[idx]), y_all[idx])
+                loss = loss_fn(model(features[idx]), labels[idx])
                 loss.backward()
                 optimizer.step()
                 loss_sum += float(loss.detach()) * len(idx)

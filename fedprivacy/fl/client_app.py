@@ -110,11 +110,14 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         server_round = int(msg.content["config"]["server-round"])
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
-        features, labels = load_task(c.data).client_data(partition)
+        task = load_task(c.data)
+        features, labels = task.client_data(partition)
+        loss_fn = None if c.data.task == "tag" else task.loss  # tag: the closed-form softmax path
 
         def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
             return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
-                             lr=c.client.lr, rng=client_generator(c.seed, server_round, partition), start_from=start)
+                             lr=c.client.lr, rng=client_generator(c.seed, server_round, partition), start_from=start,
+                             loss_fn=loss_fn)
 
         lookahead = msg.content.array_records.get("lookahead")
         s = c.client.sample_dp

@@ -30,7 +30,6 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.sample_dp import event_from_metrics
-from fedprivacy.client.trainer import evaluate
 from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig, config_from_json, load_config
 from fedprivacy.fl.records import model_to_record, record_to_update
 from fedprivacy.optim.disk import DiskFilter
@@ -343,7 +342,7 @@ class DPFedAvgServer:
         row.update({f"epsilon_{k}": (float("nan") if v is None else v) for k, v in eps.items()})
         if self.round % self.cfg.eval_every == 0 or self.round == self.cfg.rounds:
             vector_to_parameters(self.params, self.model.parameters())
-            row.update(evaluate(self.model, self.task.test_features, self.task.test_labels))
+            row.update(self.task.evaluate(self.model))
         row.update(agg.stats.as_metrics())
         row["clip_norm"] = clip_norm
         row["server_noise_std"] = agg.server_noise_std()
