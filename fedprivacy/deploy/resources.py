@@ -21,6 +21,7 @@ never changes what the server receives. The mod never fails a call: a logging er
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
@@ -30,6 +31,8 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
+
+log = logging.getLogger(__name__)
 
 RESOURCE_LOG_KEY = "resource-log"
 RESOURCES_CSV = "resources.csv"
@@ -81,8 +84,8 @@ def resource_mod(msg: Message, context: Context, call_next: ClientAppCallable) -
             }
             with open(str(path), "a") as f:
                 f.write(json.dumps(row) + "\n")
-        except Exception:  # noqa: BLE001 - measuring must never break a client
-            pass
+        except Exception as err:  # noqa: BLE001 - measuring must never break a client
+            log.warning("resource report for %s not written: %s", path, err)
     return reply
 
 
