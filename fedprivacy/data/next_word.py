@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedprivacy.data.sources import ExampleSource, open_source
+from fedprivacy.data.sources import ExampleSource, offsets_partition, open_source
 from fedprivacy.data.stackoverflow import DataFormatError, read_word_counts
 
 __all__ = ["SpecialTokens", "special_tokens", "FederatedTokenData", "load_next_word",
@@ -108,9 +108,7 @@ class FederatedTokenData:
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
         if (self.tokens.shape != (n, self.seq_len + 1)
-                or self.offsets.shape != (len(self.client_ids) + 1,)
-                or self.offsets[0] != 0 or self.offsets[-1] != n
-                or np.any(np.diff(self.offsets) < 0)):
+                or not offsets_partition(self.offsets, n, len(self.client_ids))):
             raise ValueError("inconsistent FederatedTokenData shapes or offsets")
 
     @property

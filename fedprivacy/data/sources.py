@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+import numpy as np
+
 from fedprivacy.data import hdf5, stackoverflow
 
 __all__ = ["SourceFormat", "ExampleSource", "open_source", "file_identity", "SPLITS",
@@ -134,3 +136,10 @@ def open_source(format: str, path: str | Path) -> ExampleSource:
         sqlite = path / SQLITE_NAME if path.is_dir() else path
         return ExampleSource(format, sqlite.parent, sqlite)
     return ExampleSource(format, path if path.is_dir() else path.parent)
+
+
+def offsets_partition(offsets: np.ndarray, num_rows: int, num_clients: int) -> bool:
+    """Whether ``offsets`` splits ``num_rows`` rows into ``num_clients`` consecutive, possibly
+    empty, client ranges: shape ``(num_clients + 1,)``, from 0 to ``num_rows``, non-decreasing."""
+    return (offsets.shape == (num_clients + 1,) and offsets[0] == 0 and offsets[-1] == num_rows
+            and not np.any(np.diff(offsets) < 0))

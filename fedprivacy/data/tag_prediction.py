@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 from scipy import sparse
 
-from fedprivacy.data.sources import ExampleSource, open_source
+from fedprivacy.data.sources import ExampleSource, offsets_partition, open_source
 from fedprivacy.data.stackoverflow import DataFormatError, read_tag_counts, read_word_counts
 
 __all__ = ["FederatedTagData", "load_tag_prediction"]
@@ -77,9 +77,7 @@ class FederatedTagData:
         n = self.features.shape[0]
         if (self.features.shape[1] != self.vocab_size or self.labels.shape != (n,)
                 or self.tags.shape != (n, self.num_tags)
-                or self.offsets.shape != (len(self.client_ids) + 1,)
-                or self.offsets[0] != 0 or self.offsets[-1] != n
-                or np.any(np.diff(self.offsets) < 0)):
+                or not offsets_partition(self.offsets, n, len(self.client_ids))):
             raise ValueError("inconsistent FederatedTagData shapes or offsets")
 
     @property
