@@ -224,6 +224,27 @@ def test_time_varying_phi_ema_removes_the_bias_in_expectation(corrected):
     assert abs(float((v - phis[-1]).mean())) > 10 * sd  # the last round's Phi alone is the wrong bias
 
 
+@pytest.mark.parametrize("corrected", [True, False])
+def test_step_subtracts_the_ema_of_the_per_round_phi(corrected):
+    """Two steps by hand with Phi_1 != Phi_2: the denominator uses Phi-bar_2, not Phi_2."""
+    b1, b2, lr, gp = 0.5, 0.8, 0.1, 1e-9
+    g1, g2, phi1, phi2 = 1.0, -2.0, 0.3, 0.05
+    opt = ServerAdamBC(lr, phi=phi1, gamma_prime=gp, beta1=b1, beta2=b2, corrected_v=corrected)
+    x = torch.zeros(1, dtype=F64)
+    opt.step_(x, torch.tensor([g1], dtype=F64))
+    x1 = float(x)
+    opt.set_phi(phi2)
+    opt.step_(x, torch.tensor([g2], dtype=F64))
+    m = b1 * (1 - b1) * g1 + (1 - b1) * g2
+    v = b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2
+    phi_bar = b2 * (1 - b2) * phi1 + (1 - b2) * phi2
+    if corrected:
+        step = lr * (m / (1 - b1**2)) / math.sqrt(max(v / (1 - b2**2) - phi_bar / (1 - b2**2), gp))
+    else:
+        step = lr * m / math.sqrt(max(v - phi_bar, gp))
+    assert float(x) - x1 == pytest.approx(step, rel=1e-12)
+
+
 def test_constant_phi_ema_is_the_closed_form_bias():
     opt = ServerAdamBC(0.1, phi=0.04, gamma_prime=1e-3, beta2=0.99)
     x = torch.zeros(10, dtype=F64)
