@@ -74,24 +74,31 @@ class InProcessGrid(Grid):
 
     # -- delivery ---------------------------------------------------------------------------
     def _context(self, node_id: int) -> Context:
-        if node_id not in self._contexts:
-            partition = node_id - 2
-            if not 0 <= partition < self.num_nodes:
-                raise ValueError(f"no node with id {node_id}")
-            self._contexts[node_id] = Context(
-                run_id=self._run.run_id, node_id=node_id,
-                node_config={"partition-id": partition, "num-partitions": self.num_nodes},
-                state=RecordDict(), run_config=dict(self._run.override_config),
-            )
-        return self._contexts[node_id]
+        """The node's kept ``Context``, or a fresh one (empty state) if it has none."""
+        if node_id in self._contexts:
+            return self._contexts[node_id]
+        partition = node_id - 2
+        if not 0 <= partition < self.num_nodes:
+            raise ValueError(f"no node with id {node_id}")
+        return Context(run_id=self._run.run_id, node_id=node_id,
+                       node_config={"partition-id": partition, "num-partitions": self.num_nodes},
+                       state=RecordDict(), run_config=dict(self._run.override_config))
 
     def _deliver(self, msg: Message) -> Message:
+        """Run the destination's ClientApp. Its ``Context`` is kept once its state is non-empty: a
+        node whose state is still empty is indistinguishable from a fresh one, so a population of
+        hundreds of thousands of nodes costs memory only for the nodes that store something."""
+        node_id = msg.metadata.dst_node_id
         try:
-            return self.client_app(msg, self._context(msg.metadata.dst_node_id))
+            context = self._context(node_id)
+            reply = self.client_app(msg, context)
         except Exception as exc:  # a failing client is a dropout, never a crashed run
-            log.warning("ClientApp on node %s raised %s", msg.metadata.dst_node_id, exc)
+            log.warning("ClientApp on node %s raised %s", node_id, exc)
             return Message(Error(code=CLIENT_APP_EXCEPTION, reason="".join(traceback.format_exception_only(exc)).strip()),
                            reply_to=msg)
+        if len(context.state):
+            self._contexts[node_id] = context
+        return reply
 
 
 def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int) -> None:

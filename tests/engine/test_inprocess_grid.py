@@ -1,0 +1,47 @@
+"""The in-process grid keeps each node's ``Context.state`` across messages, like a SuperNode,
+and holds memory only for nodes that store something."""
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedprivacy.engines.inprocess import InProcessGrid
+
+
+def _counting_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context) -> Message:  # counts this node's rounds in its own state
+        seen = int(context.state["count"]["n"]) if "count" in context.state else 0
+        context.state["count"] = ConfigRecord({"n": seen + 1})
+        return Message(RecordDict({"seen": ConfigRecord({"n": seen + 1})}), reply_to=msg)
+
+    @app.query()
+    def query(msg: Message, context) -> Message:  # stores nothing
+        return Message(RecordDict({"node": ConfigRecord({"partition-id": int(context.node_config["partition-id"])})}),
+                       reply_to=msg)
+
+    return app
+
+
+def _send(grid: InProcessGrid, node: int, kind: str) -> Message:
+    return next(iter(grid.send_and_receive([Message(RecordDict(), dst_node_id=node, message_type=kind)])))
+
+
+def test_state_survives_across_messages_and_absences():
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    grid = InProcessGrid(_counting_app(), num_nodes=5)
+    assert _send(grid, 2, "train").content["seen"]["n"] == 1
+    assert _send(grid, 3, "train").content["seen"]["n"] == 1  # another node: its own state
+    assert _send(grid, 2, "train").content["seen"]["n"] == 2
+
+
+def test_nodes_with_empty_state_are_not_kept():
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    grid = InProcessGrid(_counting_app(), num_nodes=1000)
+    for node in grid.get_node_ids():
+        assert _send(grid, node, "query").content["node"]["partition-id"] == node - 2
+    assert grid._contexts == {}  # discovery of every node holds no per-node memory
+    _send(grid, 7, "train")
+    assert list(grid._contexts) == [7]
