@@ -80,6 +80,8 @@ class _AuditTask:
 class _NoiseOff(DPFedAvgServer):
     """BROKEN on purpose: the mechanism adds no noise."""
 
+    prefetch_noise = False
+
     def _privatize_and_step(self, agg: PrivateSum) -> None:
         agg.noise_multiplier = 0.0
         super()._privatize_and_step(agg)
@@ -88,6 +90,8 @@ class _NoiseOff(DPFedAvgServer):
 class _NoiseAfterOptimizer(DPFedAvgServer):
     """BROKEN on purpose: the optimizer sees the clean average; noise N(0, (zC/m)^2) is added to
     the model afterwards (what Flower's DP wrappers do around an adaptive strategy)."""
+
+    prefetch_noise = False
 
     def _privatize_and_step(self, agg: PrivateSum) -> None:
         std = agg.noise_multiplier * agg.clip_norm / agg.expected_cohort

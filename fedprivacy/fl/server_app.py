@@ -141,6 +141,10 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
 class DPFedAvgServer:
     """Holds the server's state and runs the rounds against a Flower ``Grid``."""
 
+    prefetch_noise = True
+    """Start each round's noise draw while the clients train (:meth:`PrivateSum.prefetch_noise`);
+    off only for servers that change the mechanism mid-round (the audit's broken variants)."""
+
     def __init__(self, cfg: RunConfig, task: TagPredictionTask) -> None:
         cfg = resolve_noise_multiplier(cfg, task.population)
         self.cfg = cfg
@@ -297,6 +301,8 @@ class DPFedAvgServer:
         clip_norm = self.adaptive_clip.clip_norm if self.adaptive_clip else p.clip_norm
         agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_noise(p),
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
+        if self.prefetch_noise:
+            agg.prefetch_noise(self.noise)  # drawn on a second core while the clients train
         partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
         for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s):

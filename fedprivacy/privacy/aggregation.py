@@ -156,6 +156,13 @@ class PrivateSum:
         return server_noise_std(self.placement, self.noise_multiplier, self.clip_norm, self.expected_cohort,
                                 self.stats.accepted)
 
+    def prefetch_noise(self, noise: GaussianNoise) -> None:
+        """Start the release's draw now, on ``noise``'s background thread, when its std cannot depend
+        on the replies (central placement: std ``zC``); :meth:`release` then consumes it. The same
+        draw from the same generator state as drawing at release: the values are bit-identical."""
+        if self.placement == "central":
+            noise.prefetch_(self._sum, self.server_noise_std())
+
     def release(self, noise: GaussianNoise) -> torch.Tensor:
         """``(sum + N(0, s^2 I)) / m`` with ``s = server_noise_std()``: the only value that leaves the mechanism."""
         noise.add_(self._sum, self.server_noise_std())

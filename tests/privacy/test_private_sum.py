@@ -136,3 +136,35 @@ def test_sparse_update_with_repeated_unsorted_or_out_of_range_indices_is_rejecte
     assert s.add_(SparseUpdate(torch.tensor(indices), torch.ones(3), 6)) is False
     assert s.stats.rejected_malformed == 1
     assert torch.equal(s.release(GaussianNoise(0)), torch.zeros(6))
+
+
+def _round(prefetch: bool, placement: str = "central") -> tuple[torch.Tensor, dict]:
+    noise = GaussianNoise(7)
+    agg = PrivateSum(5000, clip_norm=2.0, noise_multiplier=1.3, expected_cohort=3.0, placement=placement)
+    if prefetch:
+        agg.prefetch_noise(noise)
+    agg.add_(SparseUpdate.dense(torch.ones(5000)))
+    return agg.release(noise).clone(), noise.state_dict()
+
+
+def test_prefetched_noise_releases_bit_identical_values_and_generator_state():
+    plain, plain_state = _round(prefetch=False)
+    early, early_state = _round(prefetch=True)
+    assert torch.equal(plain, early)
+    assert torch.equal(plain_state["generator"], early_state["generator"])
+
+
+def test_prefetch_only_where_the_std_cannot_depend_on_the_replies():
+    noise = GaussianNoise(7)
+    agg = PrivateSum(10, clip_norm=1.0, noise_multiplier=1.0, expected_cohort=2.0, placement="distributed")
+    agg.prefetch_noise(noise)  # distributed: the top-up depends on how many shares arrive
+    assert noise._pending is None
+
+
+def test_a_prefetched_draw_must_be_consumed_as_prefetched():
+    noise = GaussianNoise(7)
+    noise.prefetch_(torch.zeros(10), 1.0)
+    with pytest.raises(RuntimeError, match="prefetched"):
+        noise.state_dict()  # a checkpoint now would skip the draw
+    with pytest.raises(RuntimeError, match="does not match"):
+        noise.add_(torch.zeros(10), 2.0)
