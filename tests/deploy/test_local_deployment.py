@@ -200,3 +200,35 @@ def test_killed_supernode_is_a_dropout_and_a_restarted_one_rejoins(three_users, 
     assert list(pd.read_csv(tmp_path / "inprocess" / "metrics.csv")["cohort_accepted"]) == list(metrics["cohort_accepted"])
 
     assert processes_using(out / "deployment" / "flwr-home") == []
+
+
+@pytest.mark.parametrize("client", [
+    pytest.param({"privacy": {"placement": "local"}}, id="local-noise"),
+    pytest.param({"privacy": {"placement": "distributed"},
+                  "client": {"sample_dp": {"optimizer": "adam", "lr": 0.01, "noise_multiplier": 1.0, "clip_norm": 1.0,
+                                           "batch_size": 4.0, "epochs": 1.0}}}, id="distributed-shares+sample-dp-adam"),
+])
+def test_on_device_privacy_modes_match_in_process(three_users, tmp_path, client):
+    """On-device DP on real SuperNodes (plaintext: security is the first test's subject): the client
+    clips and noises its own upload (local), or adds its share of the noise and trains with
+    record-level DP-Adam under Opacus-style accounting (distributed + sample-level DP). Each client's
+    own epsilon comes back to the server; the model and every per-client epsilon equal the in-process
+    engine's (the clients' noise streams are seeded per (run, round, partition) on either side)."""
+    tree = json.loads(_config(three_users, tmp_path / "deployed", rounds=2).to_json())
+    for section, values in client.items():
+        tree[section] = {**tree[section], **values}
+    cfg = build_config(tree)
+    summary = deploy_local(cfg, USERS, secure=False, timeout=600, printer=lambda _: None)
+    out = Path(cfg.output_dir)
+    assert summary["rounds_completed"] == 2
+    assert (pd.read_csv(out / "metrics.csv")["cohort_accepted"] == USERS).all()
+
+    inproc = build_config({**tree, "output_dir": str(tmp_path / "inprocess")})
+    s_in = _inprocess_with_dropouts(inproc, {})
+    _assert_same_model(tmp_path / "inprocess", out)
+    assert s_in["epsilon_rdp"] == summary["epsilon_rdp"]
+    deployed, local = (pd.read_csv(d / "client_privacy.csv").sort_values("client").reset_index(drop=True)
+                       for d in (out, tmp_path / "inprocess"))
+    assert len(deployed) == USERS and summary["client_epsilon_clients"] == USERS
+    pd.testing.assert_frame_equal(deployed, local)
+    assert processes_using(out / "deployment" / "flwr-home") == []
