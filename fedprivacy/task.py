@@ -113,7 +113,15 @@ def _split_views(cfg: DataConfig, prepare) -> tuple[object, Partition, object, s
 
 
 def _take(values, rows: slice | np.ndarray):
-    """Rows of an array or CSR matrix as a private, writable copy."""
+    """Rows of an array or CSR matrix as a private, writable copy. A contiguous row range of a CSR
+    matrix is cut from its three arrays directly (one copy; scipy's row slicing copies twice and
+    costs about three times as much, per client per round)."""
+    if isinstance(values, sp.csr_matrix) and isinstance(rows, slice) and rows.step in (None, 1):
+        start, stop, _ = rows.indices(values.shape[0])
+        stop = max(start, stop)
+        lo, hi = int(values.indptr[start]), int(values.indptr[stop])
+        return sp.csr_matrix((values.data[lo:hi].copy(), values.indices[lo:hi].copy(),
+                              values.indptr[start:stop + 1] - lo), shape=(stop - start, values.shape[1]), copy=False)
     taken = values[rows]
     return taken.copy() if isinstance(taken, (np.ndarray, sp.csr_matrix)) else taken
 

@@ -224,3 +224,16 @@ def test_stream_writer_empty_and_retyped_arrays(tmp_path: Path) -> None:
     assert np.load(tmp_path / "empty.npy").shape == (0, 3)
     seq = np.load(tmp_path / "seq.npy", mmap_mode="r")
     assert seq.dtype == np.int32 and seq.tolist() == list(range(11))
+
+
+def test_take_cuts_csr_row_ranges_exactly_as_scipy_into_private_copies():
+    import scipy.sparse as sp
+
+    from fedprivacy.task import _take
+
+    m = sp.random(30, 12, density=0.3, format="csr", dtype=np.float32, random_state=0)
+    for rows in (slice(0, 30), slice(3, 9), slice(7, 7), slice(29, 30), slice(10, None)):
+        got, want = _take(m, rows), m[rows]
+        assert got.shape == want.shape and (got != want).nnz == 0
+        assert got.indptr.dtype == want.indptr.dtype and got.indices.dtype == want.indices.dtype
+        assert not np.shares_memory(got.data, m.data) and not np.shares_memory(got.indices, m.indices)
