@@ -83,14 +83,19 @@ def worker_bare(rounds: int, data: Path, cohort: int, clients: int) -> dict:
 
     from fedprivacy.task import ensure_data, load_task
 
+    from fedprivacy.privacy.sampling import make_sampler
+
     cfg = _config("inprocess", rounds, data, Path("unused"), cohort, clients)
     torch.set_num_threads(cfg.num_threads)
     ensure_data(cfg.data)
     task = load_task(cfg.data)
     f = task.train.features
+    # the very cohorts the in-process run trains (its sampler, its seed): round times depend on who is sampled
+    sampler = make_sampler(cfg.privacy.sampling, task.population, cfg.privacy.expected_cohort, cfg.seed)
+    cohorts = [sampler.sample() for _ in range(rounds)]
     _, seconds = bare_dp_fedavg(f.indptr, f.indices, f.data, task.train.labels, task.partition.starts,
                                 task.partition.stops, vocab=f.shape[1], classes=task.train.num_tags, rounds=rounds,
-                                cohort=cohort, seed=cfg.seed)
+                                cohort=cohort, seed=cfg.seed, cohorts=cohorts)
     return {"engine": "bare", "population": task.population, "round_seconds": seconds}
 
 
