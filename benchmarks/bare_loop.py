@@ -74,7 +74,8 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                     xt = torch.sparse_coo_tensor(torch.stack([bag_words, bag_of]), bag_w, (len(rows) - 1, len(idx)),
                                                  check_invariants=False)
                     theta[0] -= client_lr * g_logits.sum(0)
-                    theta[1:] -= client_lr * torch.sparse.mm(xt, g_logits)
+                    weight = theta[1:]
+                    torch.addmm(weight, xt, g_logits, alpha=-client_lr, out=weight)  # in place, no (r, K) temporary
             delta = theta.sub_(start)
             norm = float(torch.linalg.vector_norm(delta))
             total.index_add_(0, rows, delta, alpha=min(1.0, clip / norm) if norm > 0 else 1.0)

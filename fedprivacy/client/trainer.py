@@ -137,7 +137,7 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
     The same SGD on the same batches, on a ``(r, K)`` copy of the rows the client's data touches
     instead of on the shared model (which is only read): no restore afterwards, and the delta is
     block-sparse over those rows. The model supplies the batch gradient in closed form
-    (``local_loss_and_grad``); the values agree with autograd's up to float summation order.
+    (``local_sgd_step_``, in place); the values agree with autograd's up to float summation order.
     """
     blocks, local = model.support_blocks(features)
     origin = model.gather_blocks(blocks)
@@ -151,9 +151,7 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
         order = rng.permutation(n)
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
-            loss, grad = model.local_loss_and_grad(local, idx, theta, y_all[idx])
-            theta.sub_(grad, alpha=lr)
-            loss_sum += float(loss) * len(idx)
+            loss_sum += model.local_sgd_step_(local, idx, theta, y_all[idx], lr) * len(idx)
     values = theta.sub_(start)
     return LocalResult(update=SparseUpdate(blocks, values, sum(p.numel() for p in model.parameters())),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)

@@ -29,7 +29,7 @@ def _model(vocab=40, k=7) -> SparseLogisticRegression:
     return m
 
 
-def test_local_logits_and_closed_form_gradient_match_the_full_model_and_autograd():
+def test_local_logits_and_closed_form_step_match_the_full_model_and_autograd():
     m, x = _model(), _rows()
     y = torch.from_numpy(np.random.default_rng(1).integers(0, 7, x.shape[0]))
     blocks, local = m.support_blocks(x)
@@ -39,9 +39,12 @@ def test_local_logits_and_closed_form_gradient_match_the_full_model_and_autograd
     th = theta.clone().requires_grad_(True)
     ref_loss = torch.nn.functional.cross_entropy(m.local_logits(local, rows, th), y[rows])
     (ref_grad,) = torch.autograd.grad(ref_loss, th)
-    loss, grad = m.local_loss_and_grad(local, rows, theta, y[rows])
-    assert float(loss) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
-    assert torch.allclose(grad, ref_grad, atol=1e-6)
+    lr = 0.7
+    stepped = theta.clone()
+    loss = m.local_sgd_step_(local, rows, stepped, y[rows], lr)
+    assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    assert torch.allclose(stepped, theta - lr * ref_grad, atol=1e-6)
+    assert not torch.equal(stepped[0], theta[0]) and not torch.equal(stepped[1:], theta[1:])
 
 
 def test_support_blocks_are_the_update_support_as_whole_rows():
