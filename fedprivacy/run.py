@@ -25,14 +25,14 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         torch.set_num_threads(cfg.num_threads)
     started = time.time()
     ensure_data(cfg.data)
-    population = load_task(cfg.data).population
+    task = load_task(cfg.data)
     server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
-    if cfg.engine == "inprocess":
-        run_inprocess(server_app, client_app, population)
+    if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
+        run_inprocess(server_app, client_app, task.population, prefetch=task.prefetch)
     else:
         from fedprivacy.engines.ray import run_ray
 
-        run_ray(server_app, client_app, population, cfg.ray)
+        run_ray(server_app, client_app, task.population, cfg.ray)
     summary_path = Path(cfg.output_dir) / "summary.json"
     if not summary_path.exists() or summary_path.stat().st_mtime < started:
         raise RuntimeError(f"the {cfg.engine} engine finished without writing {summary_path}; see the log above")

@@ -37,6 +37,7 @@ from fedprivacy.config import DataConfig
 from fedprivacy.data.hdf5 import SPLIT_FILES
 from fedprivacy.data.next_word import FederatedTokenData, special_tokens
 from fedprivacy.data.prepared import prepared_tags, prepared_tokens
+from fedprivacy.data.readahead import advise_rows
 from fedprivacy.data.sources import ExampleSource, open_source
 from fedprivacy.data.synthetic import generate
 from fedprivacy.data.tag_prediction import FederatedTagData
@@ -152,6 +153,15 @@ class _BagOfWordsTask:
 
     def _client_rows(self, index: int) -> slice:
         return slice(self.partition.starts[index], self.partition.stops[index])
+
+    def prefetch(self, clients: list[int]) -> None:
+        """Start reading these clients' posts from the memory-mapped cache (:mod:`.data.readahead`)."""
+        f = self.train.features
+        for c in clients:
+            rows = self._client_rows(c)
+            lo, hi = int(f.indptr[rows.start]), int(f.indptr[rows.stop])
+            advise_rows(f.data, lo, hi)
+            advise_rows(f.indices, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,11 @@ class NextWordTask:
 
     def new_model(self, device: str = "cpu") -> NextWordLSTM:
         return NextWordLSTM(special_tokens(self.train.vocab_size).num_classes).to(device)
+
+    def prefetch(self, clients: list[int]) -> None:
+        """Start reading these clients' token rows from the memory-mapped cache (:mod:`.data.readahead`)."""
+        for c in clients:
+            advise_rows(self.train.tokens, int(self.partition.starts[c]), int(self.partition.stops[c]))
 
     def client_data(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         rows = np.array(self.train.tokens[self.partition.starts[index]:self.partition.stops[index]], dtype=np.int64)

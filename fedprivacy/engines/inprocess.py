@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -32,9 +32,14 @@ CLIENT_APP_EXCEPTION = 1  # error code of a reply whose ClientApp raised
 class InProcessGrid(Grid):
     """``num_nodes`` virtual SuperNodes with ``partition-id`` 0..num_nodes-1 and node id ``partition + 2``."""
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1) -> None:
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
+                 prefetch: Callable[[list[int]], None] | None = None) -> None:
+        """``prefetch(partitions)``, if given, is called with the partitions a batch of ``train``
+        messages is addressed to when the batch is pushed, before any of them runs (the task's
+        read-ahead of those clients' data: :meth:`fedprivacy.task.TagPredictionTask.prefetch`)."""
         self.client_app = client_app
         self.num_nodes = num_nodes
+        self.prefetch = prefetch
         self._run = Run.create_empty(run_id=run_id)
         self._contexts: dict[int, Context] = {}
         self._pending: dict[str, Message] = {}
@@ -56,6 +61,10 @@ class InProcessGrid(Grid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Queue messages; their ClientApps run when the replies are pulled."""
+        messages = list(messages)
+        if self.prefetch is not None and (cohort := [m.metadata.dst_node_id - 2 for m in messages
+                                                     if m.metadata.message_type == "train"]):
+            self.prefetch(cohort)
         ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = str(uuid4())  # as Flower's grids do on push
@@ -101,9 +110,10 @@ class InProcessGrid(Grid):
         return reply
 
 
-def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int) -> None:
+def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int,
+                  prefetch: Callable[[list[int]], None] | None = None) -> None:
     """Run ``server_app`` against ``num_nodes`` in-process SuperNodes running ``client_app``."""
-    grid = InProcessGrid(client_app, num_nodes)
+    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch)
     TaskIdentity.run_id = grid.run.run_id
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = SERVER_NODE_ID

@@ -45,3 +45,22 @@ def test_nodes_with_empty_state_are_not_kept():
     assert grid._contexts == {}  # discovery of every node holds no per-node memory
     _send(grid, 7, "train")
     assert list(grid._contexts) == [7]
+
+
+def test_prefetch_sees_the_whole_cohort_before_any_client_runs():
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    events: list = []
+    inner = _counting_app()
+
+    class Recording(ClientApp):
+        def __call__(self, message, context):
+            events.append(("run", message.metadata.dst_node_id - 2))
+            return inner(message, context)
+
+    grid = InProcessGrid(Recording(), num_nodes=10, prefetch=lambda parts: events.append(("prefetch", parts)))
+    cohort = [Message(RecordDict(), dst_node_id=n, message_type="train") for n in (4, 9, 2)]
+    replies = list(grid.send_and_receive(cohort))
+    assert len(replies) == 3
+    assert events == [("prefetch", [2, 7, 0]), ("run", 2), ("run", 7), ("run", 0)]
+    _send(grid, 3, "query")  # discovery queries need no data
+    assert events[-1] == ("run", 1) and len(events) == 5
