@@ -93,12 +93,20 @@ class SampleDPClientConfig(_Section):
     per-client files compose the rounds under every ``privacy.accountants``."""
     target_delta: float | None = Field(None, gt=0.0, lt=1.0)
     """Delta of each client's record-level epsilon; default 1 / n_i (the client's own records)."""
+    disk_kappa: float = Field(1.0, gt=0.0, le=1.0)
+    """Local DiSK (arXiv:2410.03883, Alg. 3) on top of ``optimizer``: filter gain kappa; 1 = off.
+    Each step combines the per-record gradients at x and at x + disk_gamma d (same batch) before the
+    one clip, so the releases, and each client's epsilon, are those without DiSK."""
+    disk_gamma: float = 0.5
+    """Local DiSK lookahead step along the client's previous local step; non-zero."""
 
     @model_validator(mode="after")
     def _units_fit_the_batch(self) -> SampleDPClientConfig:
         if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
             raise ValueError(f"client.sample_dp.micro_batch_size={self.micro_batch_size} must be <= "
                              f"client.sample_dp.batch_size={self.batch_size}")
+        if self.disk_gamma == 0.0:
+            raise ValueError("client.sample_dp.disk_gamma must be non-zero")
         return self
 
 
@@ -322,8 +330,9 @@ class RunConfig(_Section):
             raise ValueError(f"client.sample_dp needs data.task='tag' (softmax regression's exact per-record "
                              f"gradients), got data.task={self.data.task!r}")
         if self.server.disk is not None:
-            raise ValueError("client.sample_dp with server.disk is not supported (DiSK's two client passes would "
-                             "be two releases of the same records)")
+            raise ValueError("client.sample_dp with server.disk is not supported (server DiSK's two client passes "
+                             "would be two releases of the same records); for DiSK as each client's local "
+                             "record-level optimizer set client.sample_dp.disk_kappa < 1 (and disk_gamma)")
         if self.privacy.placement == "local":
             raise ValueError("client.sample_dp with privacy.placement='local' is not supported (both report a "
                              "per-client epsilon, for different neighbouring units)")

@@ -294,20 +294,34 @@ class ClippedSum:
 
 @torch.no_grad()
 def softmax_regression_clipped_sum(x: sp.csr_matrix, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                                   clip_norm: float, micro_batch_size: int = 1) -> ClippedSum:
+                                   clip_norm: float, micro_batch_size: int = 1, *,
+                                   lookahead: tuple[torch.Tensor, torch.Tensor] | None = None, c: float = 0.0,
+                                   preconditioner: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                                   ) -> ClippedSum:
     r"""Exact clipped sum of per-unit gradients of softmax regression on sparse rows, without materializing them.
 
     Logits :math:`z_i = W^\top x_i + b` (``W``: ``(V, K)``), loss :math:`-\log \mathrm{softmax}(z_i)_{y_i}`,
-    :math:`g_i = p_i - e_{y_i}`. Record ``i``'s gradient is :math:`(x_i g_i^\top,\ g_i)`; a unit ``j``
-    of ``k`` consecutive rows (unit-major) has gradient :math:`u_j = \frac1k \sum_{i \in j} (x_i g_i^\top, g_i)`
-    and, with Gram matrices inside the unit (ghost norm),
+    so record ``i``'s gradient is :math:`(x_i r_i^\top,\ r_i)` with :math:`r_i = p_i - e_{y_i}`.
 
-    .. math::
-        \lVert u_j \rVert_2^2 = \frac{1}{k^2} \sum_{i, l \in j} (x_i^\top x_l + 1)\, g_i^\top g_l
-        \quad (k = 1:\ (\lVert x_i\rVert^2 + 1)\lVert g_i\rVert^2).
+    AdaDPS (arXiv:2202.05963v2, Alg. 1, 𝒜 = g / A): with ``preconditioner`` :math:`(A_W, A_b)` (public;
+    :math:`A_W` broadcastable to ``(V, K)``, e.g. ``(V, 1)`` for one value per word, :math:`A_b` ``(K,)``
+    or None for 1) each record's gradient is divided by A BEFORE the clip:
+    :math:`\big((x_i r_i^\top) \oslash A_W,\ r_i \oslash A_b\big)`. A unit ``j`` of ``k`` records has the
+    mean :math:`u_j` of those, whose squared norm needs only ``k^2`` sparse products, with
+    :math:`M = A_W^{-2}` and :math:`m_b = A_b^{-2}`:
 
-    With :math:`c_j = \min(1, C / \lVert u_j \rVert_2)` and :math:`s_i = c_{j(i)} / k`, the clipped sum
-    is one sparse product: :math:`\sum_j c_j u_j = (X^\top \mathrm{diag}(s) G,\ G^\top s)`.
+    .. math:: \lVert u_j \rVert^2 = \frac{1}{k^2} \sum_{i, l \in j} \sum_c r_{ic} r_{lc}
+              \big( [(x_i \odot x_l)^\top M]_c + (m_b)_c \big)
+
+    (:math:`A = 1` gives the ghost norm :math:`(x_i \cdot x_l + 1)(r_i \cdot r_l)`). With
+    :math:`c_j = \min(1, C / \lVert u_j \rVert_2)` and :math:`s_i = c_{j(i)} / k`, the clipped sum is one
+    sparse product: :math:`\sum_j c_j u_j = \big((X^\top \mathrm{diag}(s) R) \oslash A_W,\ (R^\top s) \oslash A_b\big)`.
+
+    DiSK (arXiv:2410.03883, Alg. 3 line 5): with ``lookahead`` :math:`(W', b')` each record's
+    two-point combination :math:`c\,\nabla f(W', b'; \xi_i) + (1-c)\,\nabla f(W, b; \xi_i)` is again
+    :math:`(x_i r_i^\top, r_i)` with :math:`r_i = c\,p_i(W', b') + (1-c)\,p_i(W, b) - e_{y_i}` (the
+    input factor is the same at both points), so ``R`` above holds these :math:`r_i` and the ONE
+    clip applies to the (preconditioned) combination. ``losses`` stay those at :math:`(W, b)`.
 
     Args:
         x: ``(b k, V)`` CSR rows, units of ``k`` consecutive rows.
@@ -315,39 +329,64 @@ def softmax_regression_clipped_sum(x: sp.csr_matrix, y: torch.Tensor, weight: to
         weight, bias: the model's ``W`` and ``b``; results are in their dtype and device.
         clip_norm: C.
         micro_batch_size: k.
+        lookahead: DiSK's :math:`(W', b') = x_t + \gamma d_{t-1}`, or None (one point).
+        c: DiSK's :math:`(1-\kappa)/(\kappa\gamma)` (ignored without ``lookahead``).
+        preconditioner: AdaDPS's :math:`(A_W, A_b)`, or None (A = 1).
     """
     n, vocab = x.shape
     k = micro_batch_size
     if n % k:
         raise ValueError(f"batch of {n} records is not whole micro-batches of {k}")
     dtype, device = weight.dtype, weight.device
+    xs, xt = _sparse_pair(x, dtype, device)
+    logits = torch.sparse.mm(xs, weight) + bias
+    losses = nn.functional.cross_entropy(logits, y, reduction="none")
+    r = torch.softmax(logits, dim=1)
+    if lookahead is not None:  # DiSK: combine the two points' probabilities before the clip
+        r = c * torch.softmax(torch.sparse.mm(xs, lookahead[0]) + lookahead[1], dim=1) + (1.0 - c) * r
+    r[torch.arange(n, device=device), y] -= 1.0
+    inv_w, inv_b = (None, None) if preconditioner is None else (
+        1.0 / preconditioner[0].to(dtype=dtype, device=device),
+        None if preconditioner[1] is None else 1.0 / preconditioner[1].to(dtype=dtype, device=device))
+    m_w = torch.ones(vocab, 1, dtype=dtype, device=device) if inv_w is None else (inv_w ** 2).expand(vocab, -1)
+    m_b = 1.0 if inv_b is None else inv_b ** 2
+    units_r = r.view(n // k, k, r.shape[1])
+    squared = torch.zeros(n // k, dtype=dtype, device=device)
+    x64 = x.astype(np.float64)  # products of float32 inputs in float64, as the logits' own precision allows
+    rows_at = [x64[a::k] for a in range(k)]  # record a of every unit
+    for a in range(k):
+        for b in range(a, k):
+            pair, _ = _sparse_pair(rows_at[a].multiply(rows_at[b]).tocsr(), dtype, device)  # x_i * x_l, elementwise
+            term = (units_r[:, a] * units_r[:, b] * (torch.sparse.mm(pair, m_w) + m_b)).sum(dim=1)
+            squared += term if a == b else 2.0 * term
+    norms = squared.clamp_min(0.0).sqrt() / k
+    scale = (clip_factors(norms, clip_norm) / k).repeat_interleave(k)
+    scaled = r * scale[:, None]
+    weight_sum, bias_sum = torch.sparse.mm(xt, scaled), scaled.sum(0)
+    if inv_w is not None:
+        weight_sum.mul_(inv_w)
+    if inv_b is not None:
+        bias_sum.mul_(inv_b)
+    return ClippedSum(weight_sum, bias_sum, norms, losses)
+
+
+def _sparse_pair(x: sp.csr_matrix, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and its transpose as torch sparse COO tensors (indices in range by construction: unchecked)."""
     coo = x.tocoo()
     rows, cols = torch.from_numpy(coo.row.astype(np.int64)), torch.from_numpy(coo.col.astype(np.int64))
     values = torch.from_numpy(coo.data).to(dtype)
-    xs = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (n, vocab), device=device,
-                                 check_invariants=False)  # in range by construction
-    logits = torch.sparse.mm(xs, weight) + bias
-    losses = nn.functional.cross_entropy(logits, y, reduction="none")
-    g = torch.softmax(logits, dim=1)
-    g[torch.arange(n, device=device), y] -= 1.0
-    gram = (x.astype(np.float64) @ x.T.astype(np.float64)).tocoo()  # x_i . x_l, kept inside units
-    inside = gram.row // k == gram.col // k
-    r, c = torch.from_numpy(gram.row[inside].astype(np.int64)), torch.from_numpy(gram.col[inside].astype(np.int64))
-    gram_x = torch.zeros(n // k, k, k, dtype=torch.float64)
-    gram_x[r // k, r % k, c % k] = torch.from_numpy(gram.data[inside])
-    units_g = g.view(n // k, k, g.shape[1])
-    gram_g = torch.einsum("jik,jlk->jil", units_g, units_g)
-    norms = ((gram_x.to(dtype=dtype, device=device) + 1.0) * gram_g).sum(dim=(1, 2)).clamp_min(0.0).sqrt() / k
-    scale = (clip_factors(norms, clip_norm) / k).repeat_interleave(k)
-    scaled = g * scale[:, None]
-    xt = torch.sparse_coo_tensor(torch.stack([cols, rows]), values, (vocab, n), device=device, check_invariants=False)
-    return ClippedSum(torch.sparse.mm(xt, scaled), scaled.sum(0), norms, losses)
+    n, vocab = x.shape
+    return (torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (n, vocab), device=device,
+                                    check_invariants=False),
+            torch.sparse_coo_tensor(torch.stack([cols, rows]), values, (vocab, n), device=device,
+                                    check_invariants=False))
 
 
 def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, cfg: SampleDPConfig,
                             seed: np.random.SeedSequence | int, *, epochs: float = 1.0,
                             target_delta: float | None = None, accountant: AccountantKind = "rdp",
-                            secure_noise: bool = False) -> SampleDPResult:
+                            secure_noise: bool = False,
+                            preconditioner: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> SampleDPResult:
     """:func:`train_sample_dp` for softmax regression on sparse rows (``model.embedding.weight``, ``model.bias``).
 
     The same mechanism, units, sampling streams, accounting and result; only the per-unit
@@ -356,13 +395,18 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
     form from :func:`softmax_regression_clipped_sum` and goes through
     :meth:`~fedprivacy.optim.sample_dp.SampleDPOptimizer.step_clipped_sum` (dense noise
     N(0, σ²C²) on EVERY coordinate, divide by B, account, base step). The update is therefore
-    dense. No preconditioner and no DiSK. The model holds ``x_t`` again afterwards.
+    dense. AdaDPS: ``preconditioner`` :math:`(A_W, A_b)` divides each record's gradient before the
+    clip (inside the closed form). DiSK (``cfg.disk_kappa < 1``): each step's clipped sum is of the
+    two-point combination at ``x_t`` and the optimizer's lookahead, on the same Poisson batch, clipped
+    once (:meth:`~fedprivacy.optim.sample_dp.SampleDPOptimizer.step_disk_clipped_sum`), so the
+    accountant composes one release per step, as without DiSK. The model holds ``x_t`` again afterwards.
 
     Args:
         model: holds ``embedding.weight`` ``(V, K)`` and ``bias`` ``(K,)`` (its only trainable parameters),
             e.g. :class:`~fedprivacy.models.logistic.SparseLogisticRegression`.
         features: the client's ``(n, V)`` CSR rows; ``labels``: its ``n`` labels.
         cfg, seed, epochs, target_delta, accountant, secure_noise: as in :func:`train_sample_dp`.
+        preconditioner: AdaDPS's public :math:`(A_W, A_b)` (see :func:`softmax_regression_clipped_sum`), or None.
     """
     weight, bias = model.embedding.weight, model.bias
     params = [p for p in model.parameters() if p.requires_grad]
@@ -375,19 +419,31 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
                  accountant=accountant, secure_noise=secure_noise)
     y_all = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=weight.device)
     start = parameters_to_vector(params).detach().clone()
+    optimizer = plan.optimizer
+    w_at = next(i for i, p in enumerate(optimizer.params) if p is weight)
     losses = []
     try:
         for batch in poisson_batches(plan.units, plan.q, plan.steps, plan.sampling_generator):
             rows = flatten_units(batch, cfg.micro_batch_size)[0]
-            s = softmax_regression_clipped_sum(features[rows.numpy()], y_all[rows], weight.detach(), bias.detach(),
-                                               cfg.clip_norm, cfg.micro_batch_size)
-            plan.optimizer.zero_grad(set_to_none=True)
-            plan.optimizer.step_clipped_sum([s.weight if p is weight else s.bias for p in plan.optimizer.params])
+            sums = []
+
+            def clipped_sum(ahead: list[torch.Tensor] | None = None, c: float = 0.0) -> list[torch.Tensor]:
+                point = None if ahead is None else (ahead[w_at], ahead[1 - w_at])
+                sums.append(softmax_regression_clipped_sum(features[rows.numpy()], y_all[rows], weight.detach(),
+                                                           bias.detach(), cfg.clip_norm, cfg.micro_batch_size,
+                                                           lookahead=point, c=c, preconditioner=preconditioner))
+                return [sums[-1].weight if p is weight else sums[-1].bias for p in optimizer.params]
+
+            optimizer.zero_grad(set_to_none=True)
+            if optimizer.disk is None:
+                optimizer.step_clipped_sum(clipped_sum())
+            else:
+                optimizer.step_disk_clipped_sum(clipped_sum)
             if len(rows):
-                losses.append(float(s.losses.mean()))
+                losses.append(float(sums[-1].losses.mean()))
         update = parameters_to_vector(params).detach() - start
     finally:
-        plan.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             vector_to_parameters(start, params)
     target_delta = 1.0 / n if target_delta is None else target_delta

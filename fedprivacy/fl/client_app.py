@@ -87,7 +87,8 @@ class _LastDecoded:
 def sample_dp_config(s: SampleDPClientConfig) -> SampleDPConfig:
     """The optimizer hyperparameters of ``client.sample_dp`` (other settings: SampleDPConfig's defaults)."""
     return SampleDPConfig(base=s.optimizer, lr=s.lr, noise_multiplier=s.noise_multiplier, clip_norm=s.clip_norm,
-                          batch_size=s.batch_size, micro_batch_size=s.micro_batch_size or 1)
+                          batch_size=s.batch_size, micro_batch_size=s.micro_batch_size or 1,
+                          disk_kappa=s.disk_kappa, disk_gamma=s.disk_gamma)
 
 
 def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None) -> ClientApp:

@@ -31,7 +31,8 @@ Methods, as configurations of one mechanism (the base optimizer only post-proces
 * DiSK (arXiv:2410.03883, Alg. 3): ``disk`` = a :class:`~fedprivacy.optim.disk.DiskFilter`; two
   per-sample passes on the SAME batch (``step`` needs a closure), combined per sample before the
   ONE clip. Opacus sees one batch: ``p.grad_sample`` stays one tensor, so ``accumulated_iterations``
-  is 1 and the accountant hook composes exactly one step per DiSK step.
+  is 1 and the accountant hook composes exactly one step per DiSK step. Closed-form models pass
+  the clipped sum of the combination instead (:meth:`SampleDPOptimizer.step_disk_clipped_sum`).
 * DP-MicroAdam (arXiv:2511.20509, Alg. 1): :class:`~fedprivacy.optim.microadam.ServerMicroAdam`
   through :class:`FlatDescent`, on the noised gradient (noise dense, before top-k).
 
@@ -206,6 +207,14 @@ class SampleDPOptimizer(DPOptimizer):
             p.summed_grad = clipped if p.summed_grad is None else p.summed_grad + clipped
             _mark_as_processed(p.grad_sample)
 
+    def _load_clipped_sum(self, clipped_sum: Sequence[torch.Tensor]) -> None:
+        """``p.summed_grad = clipped_sum`` and a ZERO-row ``grad_sample`` per parameter (nothing more to clip)."""
+        for p, s in zip(self.params, clipped_sum, strict=True):
+            if s.shape != p.shape:
+                raise ValueError(f"clipped sum of shape {tuple(s.shape)} for a parameter of shape {tuple(p.shape)}")
+            p.summed_grad = s.to(p.dtype)
+            p.grad_sample = p.new_zeros((0, *p.shape))
+
     def step_clipped_sum(self, clipped_sum: Sequence[torch.Tensor]) -> None:
         r"""One step from a clipped sum :math:`\sum_j \min(1, C/\lVert u_j\rVert_2)\, u_j` computed outside Opacus.
 
@@ -216,15 +225,44 @@ class SampleDPOptimizer(DPOptimizer):
         parameter gets a ZERO-row ``grad_sample``, so :meth:`step` runs unchanged: nothing more is
         clipped, then the dense noise, the division by B, the accountant hook (one batch) and the
         base step. The caller is responsible for the clip (C, and the units' preconditioning).
+        With DiSK use :meth:`step_disk_clipped_sum` (the sum must be of the two-point combination).
         """
         if self.disk is not None:
-            raise ValueError("step_clipped_sum does not support DiSK (its two passes need per-sample gradients)")
-        for p, s in zip(self.params, clipped_sum, strict=True):
-            if s.shape != p.shape:
-                raise ValueError(f"clipped sum of shape {tuple(s.shape)} for a parameter of shape {tuple(p.shape)}")
-            p.summed_grad = s.to(p.dtype)
-            p.grad_sample = p.new_zeros((0, *p.shape))
+            raise ValueError("step_clipped_sum takes a one-point sum; with DiSK use step_disk_clipped_sum "
+                             "(the two-point combination, clipped once)")
+        self._load_clipped_sum(clipped_sum)
         self.step()
+
+    def step_disk_clipped_sum(
+            self, combined_clipped_sum: Callable[[list[torch.Tensor] | None, float], Sequence[torch.Tensor]]) -> None:
+        r"""One DiSK step (Alg. 3) from a two-point clipped sum computed outside Opacus.
+
+        ``combined_clipped_sum(lookahead, c)`` gets the lookahead point :math:`x_t + \gamma d_{t-1}`
+        (one tensor per parameter, this optimizer's order; the parameters themselves stay at
+        :math:`x_t`) and :math:`c = (1-\kappa)/(\kappa\gamma)`, and must return, per parameter, the
+        clipped sum of the per-unit COMBINATION
+
+        .. math:: \sum_j \min\big(1, C/\lVert \hat u_j \rVert_2\big)\, \hat u_j, \qquad
+            \hat u_j = c\, u_j(x_t + \gamma d_{t-1}) + (1-c)\, u_j(x_t)
+
+        on ONE batch (combined before the one clip). ``lookahead`` is None (and ``c`` 0) where one
+        pass at :math:`x_t` is the whole update: the first step (``d = 0``) and κ = 1. The rest is
+        :meth:`step`'s: dense noise, division by B, ONE accountant step, then ``self.disk`` filters
+        :math:`\tilde g_t = (1-\kappa)\tilde g_{t-1} + \kappa g_t`, the base optimizer steps on it and
+        the displacement :math:`d_t` is recorded. The filter only post-processes the one release.
+        """
+        if self.disk is None:
+            raise ValueError("step_disk_clipped_sum needs a DiSK filter; without one use step_clipped_sum")
+        x = parameters_to_vector(self.params).detach()
+        ahead = self.disk.lookahead(x)
+        if ahead is None:
+            self._load_clipped_sum(combined_clipped_sum(None, 0.0))
+        else:
+            points = [torch.empty_like(p) for p in self.params]
+            _assign_(points, ahead)
+            self._load_clipped_sum(combined_clipped_sum(points, self.disk.c))
+        if self.pre_step():  # clip (nothing left), noise, divide by B, accountant hook: ONE step
+            self._base_step()
 
     def _two_point_grad_samples(self, closure: Callable[[], float]) -> float:
         """DiSK line 5 before the clip: per-sample ``c g(x + gamma d) + (1 - c) g(x)`` as ONE batch."""
@@ -266,11 +304,15 @@ class SampleDPOptimizer(DPOptimizer):
         elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.pre_step():  # clip, noise, divide by B, accountant hook
-            return loss
+        if self.pre_step():  # clip, noise, divide by B, accountant hook
+            self._base_step()
+        return loss
+
+    def _base_step(self) -> None:
+        """The base step on the noised ``p.grad``; with DiSK, first the filter, and after it ``d_t`` is recorded."""
         if self.disk is None:
             self.original_optimizer.step()
-            return loss
+            return
         with torch.no_grad():
             grads = [p.grad for p in self.params]
             _assign_(grads, self.disk.filter_(torch.cat([g.reshape(-1) for g in grads])))
@@ -278,7 +320,6 @@ class SampleDPOptimizer(DPOptimizer):
         self.original_optimizer.step()
         with torch.no_grad():
             self.disk.record_(parameters_to_vector(self.params) - before)
-        return loss
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Sample-level DP clients from a run config: exact ghost-norm clipping, the round, the server's per-client ledgers."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -174,6 +175,8 @@ def test_client_ledgers_keep_each_clients_delta_across_a_checkpoint():
     (["client.sample_dp.epochs=1", "data.task=next_word"], "data.task"),
     (["client.sample_dp.epochs=1", "server.disk.kappa=0.5"], "server.disk"),
     (["client.sample_dp.epochs=1", "privacy.placement=local"], "privacy.placement"),
+    (["client.sample_dp.disk_kappa=0.7", "client.sample_dp.disk_gamma=0"], "client.sample_dp.disk_gamma"),
+    (["client.sample_dp.disk_kappa=1.5"], "client.sample_dp.disk_kappa"),
 ])
 def test_config_errors_name_the_field(small_config, overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -182,3 +185,110 @@ def test_config_errors_name_the_field(small_config, overrides, field):
 
 def test_sample_dp_is_off_by_default(small_config):
     assert small_config().client.sample_dp is None
+
+
+# -- DiSK and AdaDPS in the closed form (the federated tag path) ------------------------------------
+
+
+def _clipped(units, clip):
+    norms = units.norm(dim=1)
+    return (units * torch.clamp(clip / norms, max=1.0)[:, None]).sum(0), norms
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_two_point_preconditioned_clipped_sum_matches_autograd(k):
+    """DiSK's c g(x') + (1 - c) g(x) per record, divided by A, then ONE clip per unit (k records)."""
+    x, y, w, b = _problem()
+    gen = torch.Generator().manual_seed(4)
+    w2, b2 = w + 0.7 * torch.randn(w.shape, generator=gen, dtype=torch.float64), b - 0.3
+    a_w = torch.rand(V, K, generator=gen, dtype=torch.float64) + 0.1  # one value per coordinate
+    a_b = torch.rand(K, generator=gen, dtype=torch.float64) + 0.5
+    c = 0.6
+    combined = c * _autograd_per_example(x, y, w2, b2) + (1 - c) * _autograd_per_example(x, y, w, b)
+    preconditioned = combined / torch.cat([a_w.reshape(-1), a_b])
+    units = preconditioned.view(len(y) // k, k, -1).mean(dim=1)
+    clip = float(units.norm(dim=1).median())
+    expected, norms = _clipped(units, clip)
+    s = softmax_regression_clipped_sum(x, y, w, b, clip, k, lookahead=(w2, b2), c=c, preconditioner=(a_w, a_b))
+    assert torch.allclose(s.unit_norms, norms, rtol=1e-10, atol=0)
+    assert torch.allclose(torch.cat([s.weight.reshape(-1), s.bias]), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_row_preconditioner_leaves_the_bias_alone(k):
+    """A of shape (V, 1) (one value per word, AdaDPS' frequency rules) and no bias A."""
+    x, y, w, b = _problem()
+    a_w = torch.linspace(0.2, 3.0, V, dtype=torch.float64)[:, None]
+    grads = _autograd_per_example(x, y, w, b)
+    grads[:, :V * K] /= a_w.expand(V, K).reshape(-1)
+    units = grads.view(len(y) // k, k, -1).mean(dim=1)
+    clip = float(units.norm(dim=1).median())
+    expected, norms = _clipped(units, clip)
+    s = softmax_regression_clipped_sum(x, y, w, b, clip, k, preconditioner=(a_w, None))
+    assert torch.allclose(s.unit_norms, norms, rtol=1e-10, atol=0)
+    assert torch.allclose(torch.cat([s.weight.reshape(-1), s.bias]), expected, rtol=1e-10, atol=1e-12)
+
+
+def _small_lr_model(dtype=torch.float64):
+    from fedprivacy.models.logistic import SparseLogisticRegression
+
+    model = SparseLogisticRegression(V, K).to(dtype)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        model.embedding.weight.copy_(torch.randn(V, K, generator=gen, dtype=dtype))
+        model.bias.copy_(torch.randn(K, generator=gen, dtype=dtype))
+    return model
+
+
+def test_local_disk_closed_form_steps_by_hand():
+    """q = 1 (every record every step), no noise: step 1 is the base step; step 2 filters the clipped
+    two-point combination at x_1 and x_1 + gamma (x_1 - x_0) (Alg. 3) and takes ONE accountant step."""
+    x, y, _, _ = _problem(n=6, seed=5)
+    model = _small_lr_model()
+    kappa, gamma, lr, clip = 0.6, 0.5, 0.4, 0.3
+    c = (1 - kappa) / (kappa * gamma)
+    cfg = SampleDPConfig(base="sgd", lr=lr, noise_multiplier=0.0, clip_norm=clip, batch_size=6.0,
+                         disk_kappa=kappa, disk_gamma=gamma)
+    result = train_sample_dp_softmax(model, x, y.numpy(), cfg, 3, epochs=2.0)
+    w0, b0 = model.embedding.weight.detach().clone(), model.bias.detach().clone()
+
+    def mean_clipped(w, b, ahead=None):
+        s = softmax_regression_clipped_sum(x, y, w, b, clip, lookahead=ahead, c=c)
+        return s.weight / 6, s.bias / 6
+
+    gw0, gb0 = mean_clipped(w0, b0)
+    w1, b1 = w0 - lr * gw0, b0 - lr * gb0
+    gw1, gb1 = mean_clipped(w1, b1, (w1 + gamma * (w1 - w0), b1 + gamma * (b1 - b0)))
+    w2 = w1 - lr * ((1 - kappa) * gw0 + kappa * gw1)
+    b2 = b1 - lr * ((1 - kappa) * gb0 + kappa * gb1)
+    expected = torch.cat([b2 - b0, (w2 - w0).reshape(-1)])  # parameters_to_vector order: bias, embedding.weight
+    assert torch.allclose(result.delta, expected, rtol=1e-10, atol=1e-12)
+    plain = train_sample_dp_softmax(model, x, y.numpy(), dataclasses.replace(cfg, disk_kappa=1.0), 3, epochs=2.0)
+    assert not torch.allclose(plain.delta, result.delta)  # the filter did act
+    assert (result.steps, result.event, result.epsilon) == (plain.steps, plain.event, plain.epsilon)
+
+
+def test_closed_form_adadps_with_unit_a_is_dp_sgd_and_scale_invariant():
+    """AdaDPS with A = 1 is DP-SGD bit for bit; (cA, C, lr) == (A, cC, lr / c) with the same noise draws."""
+    x, y, _, _ = _problem(n=30, seed=6)
+    model = _small_lr_model()
+    cfg = SampleDPConfig(base="sgd", lr=0.5, noise_multiplier=1.3, clip_norm=0.4, batch_size=6.0)
+    plain = train_sample_dp_softmax(model, x, y.numpy(), cfg, 8)
+    ones = train_sample_dp_softmax(model, x, y.numpy(), cfg, 8,
+                                   preconditioner=(torch.ones(V, 1, dtype=torch.float64), None))
+    assert torch.equal(plain.delta, ones.delta)
+    gen = torch.Generator().manual_seed(1)
+    a = (torch.rand(V, K, generator=gen, dtype=torch.float64) + 0.2, torch.rand(K, generator=gen, dtype=torch.float64) + 0.2)
+    scale = 4.0
+    scaled_a = train_sample_dp_softmax(model, x, y.numpy(), cfg, 8, preconditioner=(scale * a[0], scale * a[1]))
+    scaled_c = train_sample_dp_softmax(model, x, y.numpy(), dataclasses.replace(cfg, clip_norm=scale * cfg.clip_norm,
+                                                                                  lr=cfg.lr / scale), 8, preconditioner=a)
+    torch.testing.assert_close(scaled_a.delta, scaled_c.delta, rtol=1e-9, atol=1e-12)
+    unscaled = train_sample_dp_softmax(model, x, y.numpy(), cfg, 8, preconditioner=a)
+    assert not torch.allclose(unscaled.delta, scaled_a.delta)
+
+
+def test_local_disk_settings_reach_the_optimizer(small_config):
+    cfg = small_config("client.sample_dp.disk_kappa=0.7", "client.sample_dp.disk_gamma=-1")
+    made = sample_dp_config(cfg.client.sample_dp)
+    assert (made.disk_kappa, made.disk_gamma) == (0.7, -1.0)
