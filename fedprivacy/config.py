@@ -110,6 +110,88 @@ class SampleDPClientConfig(_Section):
         return self
 
 
+class AdaDPSConfig(_Section):
+    """AdaDPS side information (Li et al. 2022, arXiv:2202.05963v2, Alg. 3; fedprivacy.optim.adadps).
+
+    The server builds a PUBLIC preconditioner A before round 1 (from the vocabulary statistics or
+    the public pool ``data.public_clients``, never from training clients), sends it to each client
+    once, and every local step uses ``grad / A`` (sample-level DP clients: each record's gradient,
+    before its clip). Where A came from is written to ``side_information.json``.
+    """
+
+    source: Literal["ones", "top_words", "frequency", "tfidf", "rmsprop"] = "top_words"
+    """ones: A = 1 (DP-FedAvg exactly); top_words: the paper code's two-level rule (A = 1 for the
+    ``top_words`` most frequent words, 1 / ``multiplier`` for the rest); frequency: A proportional
+    to each word's frequency (``statistics``), capped; tfidf: A inversely proportional to the
+    public pool's summed TF-IDF, capped; rmsprop: A from the second moment of mean gradients on
+    the public pool (every coordinate its own A)."""
+    top_words: int = Field(100, ge=0)
+    multiplier: float = Field(200.0, gt=0.0)
+    """top_words: 1 / A of the words outside the top (the federated code's x200)."""
+    statistics: Literal["word_count", "public"] = "word_count"
+    """frequency: counts from ``stackoverflow.word_count`` (TFF's vocabulary statistics, treated as
+    common knowledge as in the paper) or post counts in the public pool."""
+    cap: float = Field(1e4, ge=1.0)
+    """frequency, tfidf: multipliers 1 / A are kept within [1 / cap, cap]."""
+    scale: float = Field(1.0, gt=0.0)
+    """A <- scale * A for every source (equivalent to clip_norm * scale with lr / scale; notes §9.5)."""
+    estimator: Literal["epoch", "recurrence"] = "epoch"
+    """rmsprop: the paper code's full pass (v = mean of squared public batch-mean gradients) or the
+    paper's recurrence v <- beta v + (1 - beta) g^2 over the same batches."""
+    public_batch_size: int = Field(20, ge=1)
+    """rmsprop: posts per public batch (the paper code's ``public_bs``)."""
+    beta: float | None = Field(None, ge=0.0, lt=1.0)
+    """rmsprop recurrence: constant beta, or None for beta_t = 1 - 1/t (the running mean)."""
+    eps: float = Field(1e-5, gt=0.0)
+    """rmsprop stabiliser (1e-5 in the paper code's StackOverflow runs)."""
+    eps_inside_sqrt: bool = True
+    """rmsprop: A = sqrt(v + eps) (paper code) or sqrt(v) + eps (paper, Eq. 5)."""
+    refresh_every: int | None = Field(None, ge=1)
+    """rmsprop: re-estimate A at the current (released) model every this many rounds; None: once."""
+    precondition_bias: bool = False
+    """Divide the bias gradient too (rmsprop only; the frequency rules have no A for the bias)."""
+
+    @model_validator(mode="after")
+    def _settings_apply(self) -> AdaDPSConfig:
+        unread = self.model_fields_set - _ADADPS_SETTINGS[self.source] - {"source", "scale"}
+        if self.source == "rmsprop" and self.estimator != "recurrence":
+            unread |= {"beta"} & self.model_fields_set
+        if unread:
+            raise ValueError(f"client.adadps.source={self.source!r} does not read "
+                             + ", ".join(f"client.adadps.{k}" for k in sorted(unread)))
+        return self
+
+    @property
+    def needs_public_pool(self) -> bool:
+        return self.source in ("tfidf", "rmsprop") or (self.source == "frequency" and self.statistics == "public")
+
+
+_ADADPS_SETTINGS = {
+    "ones": set(), "top_words": {"top_words", "multiplier"}, "frequency": {"statistics", "cap"}, "tfidf": {"cap"},
+    "rmsprop": {"estimator", "public_batch_size", "beta", "eps", "eps_inside_sqrt", "refresh_every",
+                "precondition_bias"},
+}
+
+
+class CompressionConfig(_Section):
+    """Uplink compression with error feedback (DP-MicroAdam's machinery on the client,
+    notes/microadam.md §3 Option B; fedprivacy.client.compression).
+
+    Each client sends ``s = clip(top_k(Delta + e), C)`` and keeps ``e <- Q(Delta + e - s)`` in its
+    ``Context.state`` across rounds (also rounds it sits out). The server clips and noises as
+    always: the noise is dense over every coordinate. Needs ``privacy.placement: central``.
+    """
+
+    density: float = Field(0.01, gt=0.0, le=1.0)
+    """k / d with k = ceil(density * d) coordinates sent (d = all model parameters)."""
+    quantization: Literal["none", "4bit", "4bit_stochastic"] = "4bit"
+    """Storage of the residual e: float32, or 4-bit min-max codes per bucket (Alg. 2's Q; round to
+    nearest or unbiased stochastic rounding)."""
+    bucket_size: int = Field(100_000, ge=1)
+    per_tensor: bool = False
+    """Top-k per parameter tensor (ceil(density * n_p) each, the paper code) instead of global."""
+
+
 class ClientConfig(_Section):
     """Local training on each sampled client."""
 
@@ -120,6 +202,10 @@ class ClientConfig(_Section):
     sample_dp: SampleDPClientConfig | None = None
     """Train with sample-level DP instead of plain local SGD (``epochs``, ``batch_size`` and ``lr``
     above are then unused)."""
+    adadps: AdaDPSConfig | None = None
+    """Precondition local steps with public side information (AdaDPS)."""
+    compression: CompressionConfig | None = None
+    """Compress the upload: top-k with error feedback kept on the client."""
 
 
 class DiskConfig(_Section):
@@ -321,6 +407,20 @@ class RunConfig(_Section):
     server: ServerConfig = ServerConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _client_methods_fit_the_run(self) -> RunConfig:
+        a = self.client.adadps
+        if a is not None and self.data.task not in ("tag", "tag_multilabel"):
+            raise ValueError(f"client.adadps needs a bag-of-words task (data.task: tag or tag_multilabel; its A "
+                             f"preconditions the word-indexed weight), got data.task={self.data.task!r}")
+        if a is not None and a.needs_public_pool and self.data.public_clients == 0:
+            raise ValueError(f"client.adadps.source={a.source!r} estimates A on the public pool: set "
+                             "data.public_clients > 0 (held-out users, never training clients)")
+        if self.client.compression is not None and self.privacy.placement != "central":
+            raise ValueError(f"client.compression needs privacy.placement='central' (got {self.privacy.placement!r}): "
+                             "client-side noise would have to precede the data-dependent top-k")
+        return self
 
     @model_validator(mode="after")
     def _sample_dp_fits_the_run(self) -> RunConfig:
