@@ -144,3 +144,33 @@ def _record_parts(record: object, model: nn.Module) -> list[np.ndarray] | None:
 def model_to_record(model: nn.Module) -> ArrayRecord:
     """The broadcast: the model's parameters by name."""
     return ArrayRecord({name: _array(p.detach().cpu().numpy()) for name, p in model.named_parameters()})
+
+
+def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """Named numpy arrays as an ``ArrayRecord`` (one copy each)."""
+    return ArrayRecord({name: _array(a) for name, a in arrays.items()})
+
+
+def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """Inverse of :func:`arrays_to_record`: READ-ONLY views over the record's bytes."""
+    return {name: _view(record[name]) for name in record.keys()}
+
+
+def tensors_to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """Named float32 tensors (e.g. AdaDPS's ``A`` per parameter name) as an ``ArrayRecord``."""
+    return arrays_to_record({name: t.detach().to("cpu", torch.float32).contiguous().numpy()
+                             for name, t in tensors.items()})
+
+
+def record_to_tensors(record: ArrayRecord, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Inverse of :func:`tensors_to_record` (read-only views on the CPU); raises ValueError on non-float32 arrays."""
+    arrays = record_to_arrays(record)
+    for name, a in arrays.items():
+        if a.dtype != np.float32:
+            raise ValueError(f"array {name!r} is {a.dtype}, expected float32")
+    return {name: _tensor(a).to(device) for name, a in arrays.items()}
+
+
+def record_nbytes(record: ArrayRecord) -> int:
+    """Bytes of a record's arrays as they travel (``.npy`` payloads, headers included)."""
+    return sum(len(record[name].data) for name in record.keys())
