@@ -155,9 +155,11 @@ class AdaDPSConfig(_Section):
 
     @model_validator(mode="after")
     def _settings_apply(self) -> AdaDPSConfig:
-        unread = self.model_fields_set - _ADADPS_SETTINGS[self.source] - {"source", "scale"}
+        # a setting counts when it differs from its default (a serialized config sets every field)
+        given = {k for k in self.model_fields_set if getattr(self, k) != type(self).model_fields[k].default}
+        unread = given - _ADADPS_SETTINGS[self.source] - {"source", "scale"}
         if self.source == "rmsprop" and self.estimator != "recurrence":
-            unread |= {"beta"} & self.model_fields_set
+            unread |= {"beta"} & given
         if unread:
             raise ValueError(f"client.adadps.source={self.source!r} does not read "
                              + ", ".join(f"client.adadps.{k}" for k in sorted(unread)))

@@ -181,3 +181,15 @@ def test_scale_multiplies_every_source(small_config):
     kw = dict(vocab_size=50, word_count_path=None, public=None, model=None, loss_fn=None, seed=0, released_round=0)
     assert torch.allclose(build_side_information(b, **kw).tensors["embedding.weight"],
                           3.0 * build_side_information(a, **kw).tensors["embedding.weight"])
+
+
+def test_settings_a_source_does_not_read_are_refused_and_configs_round_trip(small_config):
+    from fedprivacy.config import ConfigError, config_from_json
+
+    with pytest.raises(ConfigError, match=r"client\.adadps\.cap"):
+        small_config("client.adadps={source: top_words, cap: 5.0}")
+    with pytest.raises(ConfigError, match=r"client\.adadps\.beta"):
+        small_config("data.public_clients=2", "client.adadps={source: rmsprop, beta: 0.9}")
+    for source in ("ones", "top_words", "frequency", "tfidf", "rmsprop"):
+        cfg = small_config("data.public_clients=2", f"client.adadps.source={source}")
+        assert config_from_json(cfg.to_json()) == cfg  # the deployment path ships the config as JSON
