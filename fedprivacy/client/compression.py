@@ -113,7 +113,12 @@ def _owed(update: SparseUpdate, residual: Residual | None) -> tuple[torch.Tensor
     idx, val = flat_coo(update)
     if residual is None or len(residual.indices) == 0:
         return idx, val
-    both = torch.cat([idx, torch.from_numpy(residual.indices.astype(np.int64))])
+    r_idx = torch.from_numpy(residual.indices.astype(np.int64))
+    if len(idx):  # common case (local SGD on the same rows): the residual lies inside the delta's support
+        pos = torch.searchsorted(idx, r_idx)
+        if bool((pos < len(idx)).all()) and torch.equal(idx[pos], r_idx):
+            return idx, val.clone().index_add_(0, pos, residual.dequantized())
+    both = torch.cat([idx, r_idx])
     union, where = torch.unique(both, sorted=True, return_inverse=True)
     owed = torch.zeros(len(union), dtype=torch.float32).index_add_(0, where, torch.cat([val, residual.dequantized()]))
     return union, owed
