@@ -130,7 +130,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
 
         lookahead = msg.content.array_records.get("lookahead")
         s = c.client.sample_dp
-        privacy_metrics = {}
+        extra_metrics = {}  # record-level privacy events, compression diagnostics
         if s is not None:  # record-level DP; the config excludes DiSK's lookahead
             seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition])
             result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
@@ -139,7 +139,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
                                              preconditioner=None if side is None else
                                              (side["embedding.weight"], side.get("bias")))
             update = SparseUpdate.dense(result.delta)
-            privacy_metrics = event_metrics(result)
+            extra_metrics = event_metrics(result)
         elif lookahead is None:
             result = train_from(None)
             update = result.update
@@ -151,7 +151,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         if c.client.compression is not None:  # top-k of delta + residual, clipped; the residual stays here
             update, compression_metrics = _compress_upload(update, context, c, model, server_round, partition,
                                                            float(msg.content["config"]["clip-norm"]))
-            privacy_metrics.update(compression_metrics)
+            extra_metrics.update(compression_metrics)
         p = c.privacy
         if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
             std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort)
@@ -160,7 +160,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         content = RecordDict({
             "arrays": update_to_record(update),
             "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples,
-                                     **privacy_metrics}),
+                                     **extra_metrics}),
         })
         return Message(content, reply_to=msg)
 
