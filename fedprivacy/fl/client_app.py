@@ -34,16 +34,14 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
 from fedprivacy.client.compression import Residual, compress
-from fedprivacy.client.sample_dp import event_metrics, train_sample_dp_softmax
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
 from fedprivacy.optim.disk import disk_combination
-from fedprivacy.optim.sample_dp import SampleDPConfig
 from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
 from fedprivacy.fl.records import arrays_to_record, load_record_, record_to_arrays, record_to_vector, update_to_record
-from fedprivacy.fl.server_app import config_from_context
+from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import node_side_information
 from fedprivacy.task import load_task
 
@@ -91,8 +89,10 @@ class _LastDecoded:
         return self._vector
 
 
-def sample_dp_config(s: SampleDPClientConfig) -> SampleDPConfig:
+def sample_dp_config(s: SampleDPClientConfig):
     """The optimizer hyperparameters of ``client.sample_dp`` (other settings: SampleDPConfig's defaults)."""
+    from fedprivacy.optim.sample_dp import SampleDPConfig  # Opacus: imported only by clients that use it
+
     return SampleDPConfig(base=s.optimizer, lr=s.lr, noise_multiplier=s.noise_multiplier, clip_norm=s.clip_norm,
                           batch_size=s.batch_size, micro_batch_size=s.micro_batch_size or 1,
                           disk_kappa=s.disk_kappa, disk_gamma=s.disk_gamma)
@@ -132,6 +132,8 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         s = c.client.sample_dp
         extra_metrics = {}  # record-level privacy events, compression diagnostics
         if s is not None:  # record-level DP; the config excludes DiSK's lookahead
+            from fedprivacy.client.sample_dp import event_metrics, train_sample_dp_softmax  # Opacus, on demand
+
             seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition])
             result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
                                              target_delta=s.target_delta, accountant=s.accountant,

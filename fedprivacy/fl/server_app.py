@@ -30,8 +30,9 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.sample_dp import event_from_metrics
-from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig, config_from_json, load_config
+from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig
 from fedprivacy.fl.records import model_to_record, record_nbytes, record_to_update
+from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import VERSION as SIDE_INFO_VERSION
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.optim.disk import DiskFilter
@@ -51,18 +52,6 @@ from fedprivacy.task import TagPredictionTask, load_task
 log = logging.getLogger(__name__)
 
 NODE_DISCOVERY_TIMEOUT_S = 600.0
-
-
-def config_from_context(context: Context) -> tuple[RunConfig, bool]:
-    """Read the run's config from Flower's run config (``flwr run --run-config``)."""
-    rc = context.run_config
-    if rc.get("config-json"):
-        cfg = config_from_json(str(rc["config-json"]))
-    elif rc.get("config-yaml"):
-        cfg = load_config(str(rc["config-yaml"]))
-    else:
-        raise ValueError("run config needs 'config-yaml' (path to a fedprivacy YAML config) or 'config-json'")
-    return cfg, bool(rc.get("resume", False))
 
 
 def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_TIMEOUT_S) -> list[int]:

@@ -31,14 +31,16 @@ of :math:`g_t` (DP-AdamBC's :math:`\Phi`) follows from the placement: :func:`rel
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from fedprivacy.optim.adambc import dp_noise_variance
-from fedprivacy.privacy.accounting import GaussianRound
 from fedprivacy.privacy.clipping import flat_l2_clip_
 from fedprivacy.privacy.noise import GaussianNoise
+
+if TYPE_CHECKING:
+    from fedprivacy.privacy.accounting import GaussianRound
 
 Placement = Literal["central", "distributed", "local"]
 
@@ -90,4 +92,6 @@ def local_upload_event(noise_multiplier: float) -> GaussianRound:
     sampling (the server sees who uploads). :class:`~fedprivacy.privacy.client_ledgers.ClientLedgers`
     composes it over the rounds the client took part in.
     """
+    from fedprivacy.privacy.accounting import GaussianRound  # dp-accounting: server side only
+
     return GaussianRound(noise_multiplier / 2, "none", 1, 1.0)

@@ -98,3 +98,16 @@ def test_processes_using_finds_children_by_flwr_home(tmp_path):
         child.kill()
         child.wait()
     assert child.pid not in processes_using(tmp_path)
+
+
+def test_the_client_app_imports_no_server_side_or_record_level_dp_modules():
+    """Under Flower's deployment runtime every message starts a fresh ClientApp process: a plain client
+    must not pay for dp-accounting, Opacus or the ServerApp's modules (about 2.5 s of imports here)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fedprivacy.deploy.apps; "
+            "print(sorted(m for m in ('opacus', 'dp_accounting', 'fedprivacy.fl.server_app', 'matplotlib') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
