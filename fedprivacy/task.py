@@ -114,17 +114,25 @@ def _split_views(cfg: DataConfig, prepare) -> tuple[object, Partition, object, s
 
 
 def _take(values, rows: slice | np.ndarray):
-    """Rows of an array or CSR matrix as a private, writable copy. A contiguous row range of a CSR
-    matrix is cut from its three arrays directly (one copy; scipy's row slicing copies twice and
-    costs about three times as much, per client per round)."""
+    """Rows of an array or CSR matrix as a private, writable copy (:func:`_csr_rows` cuts a CSR row range)."""
     if isinstance(values, sp.csr_matrix) and isinstance(rows, slice) and rows.step in (None, 1):
-        start, stop, _ = rows.indices(values.shape[0])
-        stop = max(start, stop)
-        lo, hi = int(values.indptr[start]), int(values.indptr[stop])
-        return sp.csr_matrix((values.data[lo:hi].copy(), values.indices[lo:hi].copy(),
-                              values.indptr[start:stop + 1] - lo), shape=(stop - start, values.shape[1]), copy=False)
+        view = _csr_rows(values, rows)
+        return sp.csr_matrix((view.data.copy(), view.indices.copy(), view.indptr), shape=view.shape, copy=False)
     taken = values[rows]
     return taken.copy() if isinstance(taken, (np.ndarray, sp.csr_matrix)) else taken
+
+
+def _csr_rows(values: sp.csr_matrix, rows: slice) -> sp.csr_matrix:
+    """A contiguous row range of a CSR matrix WITHOUT copying its entries: READ-ONLY views of the
+    parent's ``data`` and ``indices`` (shared by every client; memory-mapped ones are read-only anyway)
+    and a rebased ``indptr``. SciPy's row slicing copies twice; a client's rows are read, never written."""
+    start, stop, _ = rows.indices(values.shape[0])
+    stop = max(start, stop)
+    lo, hi = int(values.indptr[start]), int(values.indptr[stop])
+    data, indices = values.data[lo:hi], values.indices[lo:hi]
+    data.flags.writeable = indices.flags.writeable = False
+    return sp.csr_matrix((data, indices, values.indptr[start:stop + 1] - lo), shape=(stop - start, values.shape[1]),
+                         copy=False)
 
 
 @dataclass(frozen=True)
@@ -176,8 +184,9 @@ class TagPredictionTask(_BagOfWordsTask):
         return float(np.mean(self.test_labels == majority)) if len(self.test_labels) else float("nan")
 
     def client_data(self, index: int) -> tuple[sp.csr_matrix, np.ndarray]:
+        """The client's posts (read-only CSR views) and labels (a copy)."""
         rows = self._client_rows(index)
-        return _take(self.train.features, rows), _take(self.train.labels, rows)
+        return _csr_rows(self.train.features, rows), _take(self.train.labels, rows)
 
     def public_examples(self) -> tuple[sp.csr_matrix, np.ndarray] | None:
         """The public pool's posts and labels (held-out users), or None."""
@@ -216,8 +225,9 @@ class MultiLabelTagTask(_BagOfWordsTask):
         return float(self.test_labels[:, top].sum() / positives) if positives else float("nan")
 
     def client_data(self, index: int) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+        """The client's posts and multi-hot tags (read-only CSR views)."""
         rows = self._client_rows(index)
-        return _take(self.train.features, rows), _take(self.train.tags, rows)
+        return _csr_rows(self.train.features, rows), _csr_rows(self.train.tags, rows)
 
     def public_examples(self) -> tuple[sp.csr_matrix, sp.csr_matrix] | None:
         """The public pool's posts and multi-hot tags (held-out users), or None."""

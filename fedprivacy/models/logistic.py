@@ -137,9 +137,10 @@ class SparseLogisticRegression(nn.Module):
         idx, w = torch.from_numpy(indices).to(device), torch.from_numpy(weights).to(device)
         logits = nn.functional.embedding_bag(idx, theta[1:], torch.from_numpy(offsets).to(device), mode="sum",
                                              per_sample_weights=w) + theta[0]
-        loss = float(nn.functional.cross_entropy(logits, labels))
         dlogits = torch.softmax(logits, dim=1)
-        dlogits[torch.arange(batch, device=device), labels] -= 1.0
+        at_label = (torch.arange(batch, device=device), labels)
+        loss = -float(dlogits[at_label].log().mean())  # the cross-entropy, from the softmax needed anyway
+        dlogits[at_label] -= 1.0
         dlogits.div_(batch)
         bias_grad = dlogits.sum(0)
         theta[0].sub_(bias_grad if inv_b is None else bias_grad.mul_(inv_b), alpha=lr)
