@@ -1,0 +1,173 @@
+"""A study's figures (PNG and SVG), drawn from its tables only.
+
+- ``metric_vs_round``: the headline metric against the round, one panel per budget, one line per
+  method (its selected grid point; mean over seeds, band = +-1 std), majority baseline dashed.
+- ``final_vs_epsilon``: final metric (mean +- std over seeds) against the epsilon actually spent
+  (budget accountant), one line per method across budgets.
+- ``epsilon_vs_round``: epsilon under each accountant the runs tracked per round, per budget; one
+  line per budget when every method's curve is the same (the usual case: server variants are
+  post-processing of the same mechanism), else one per method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults
+
+FORMATS = ("png", "svg")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, folder: Path, name: str) -> list[Path]:
+    paths = []
+    for ext in FORMATS:
+        path = folder / f"{name}.{ext}"
+        fig.savefig(path, dpi=130, bbox_inches="tight")
+        paths.append(path)
+    _plt().close(fig)
+    return paths
+
+
+def _integer_rounds(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def selected_rounds(results: StudyResults) -> pd.DataFrame:
+    """Rows of the tidy table that belong to each method's selected grid point (finished runs)."""
+    keys = results.summary[["method", "budget", "hparams"]]
+    if not len(keys) or not len(results.rounds):
+        return results.rounds.iloc[0:0]
+    return results.rounds[results.rounds["finished"].astype(bool)].merge(keys, on=["method", "budget", "hparams"])
+
+
+def _methods(results: StudyResults) -> list[str]:
+    return [m for m in results.study.methods if m in set(results.summary["method"])]
+
+
+def _budgets(results: StudyResults) -> list[str]:
+    return [b.name for b in results.study.budgets if b.name in set(results.summary["budget"])]
+
+
+def _colors(names: list[str]) -> dict[str, object]:
+    cmap = _plt().get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+
+def metric_vs_round(results: StudyResults, folder: Path) -> list[Path]:
+    plt = _plt()
+    rows, metric = selected_rounds(results), results.metric
+    budgets, methods = _budgets(results), _methods(results)
+    colors = _colors(methods)
+    fig, axes = plt.subplots(1, max(len(budgets), 1), figsize=(5.2 * max(len(budgets), 1), 4), sharey=True,
+                             squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        for method in methods:
+            sub = rows[(rows["method"] == method) & (rows["budget"] == budget)].dropna(subset=[metric])
+            if not len(sub):
+                continue
+            stats = sub.groupby("round")[metric].agg(["mean", "std"]).reset_index()
+            ax.plot(stats["round"], stats["mean"], marker="o", ms=3, label=method, color=colors[method])
+            if stats["std"].notna().any():
+                ax.fill_between(stats["round"], stats["mean"] - stats["std"].fillna(0),
+                                stats["mean"] + stats["std"].fillna(0), alpha=0.2, color=colors[method])
+        base = results.summary.loc[results.summary["budget"] == budget, "majority_baseline"].mean()
+        if metric == "test_accuracy" and np.isfinite(base):
+            ax.axhline(base, linestyle="--", color="gray", label="majority class")
+        ax.set(title=f"budget {budget}", xlabel="round", ylabel=metric)
+        _integer_rounds(ax)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{results.study.name}: {metric} per round (mean over seeds, band +-1 std)")
+    fig.tight_layout()
+    return _save(fig, folder, "metric_vs_round")
+
+
+def budget_accountant(results: StudyResults) -> str:
+    return results.manifest["runs"][0]["config"]["privacy"]["budget_accountant"]
+
+
+def final_vs_epsilon(results: StudyResults, folder: Path) -> list[Path]:
+    plt = _plt()
+    s, metric, acct = results.summary, results.metric, budget_accountant(results)
+    methods = _methods(results)
+    colors = _colors(methods)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    eps_all = s[f"epsilon_{acct}"].replace([np.inf], np.nan).dropna()
+    spread = eps_all.max() / eps_all.min() if len(eps_all) and eps_all.min() > 0 else 1.0
+    for i, method in enumerate(methods):
+        sub = s[(s["method"] == method) & np.isfinite(s[f"epsilon_{acct}"])].sort_values(f"epsilon_{acct}")
+        if not len(sub):
+            continue
+        offset = 1 + 0.015 * (i - (len(methods) - 1) / 2)  # methods share each epsilon: spread them a little
+        ax.errorbar(sub[f"epsilon_{acct}"] * offset, sub[f"final_{metric}_mean"], yerr=sub[f"final_{metric}_std"],
+                    marker="o", capsize=3, label=method, color=colors[method])
+    base = s["majority_baseline"].mean()
+    if metric == "test_accuracy" and np.isfinite(base):
+        ax.axhline(base, linestyle="--", color="gray", label="majority class")
+    if spread > 5:
+        ax.set_xscale("log")
+    ax.set(xlabel=f"epsilon ({acct}, delta as in each run)", ylabel=f"final {metric}",
+           title=f"{results.study.name}: final {metric} vs privacy (mean +- std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, folder, "final_vs_epsilon")
+
+
+def epsilon_curves(results: StudyResults) -> list[tuple[str, str, str, pd.DataFrame]]:
+    """``(budget, who, accountant, round/epsilon frame)`` per curve; ``who`` is "all methods" when they agree."""
+    rows = selected_rounds(results)
+    curves = []
+    for budget in _budgets(results):
+        for acct in ACCOUNTANTS:
+            col = f"epsilon_{acct}"
+            if col not in rows or rows.loc[rows["budget"] == budget, col].isna().all():
+                continue
+            per_method = {m: rows[(rows["budget"] == budget) & (rows["method"] == m)].groupby("round")[col].mean()
+                          for m in _methods(results)}
+            per_method = {m: c for m, c in per_method.items() if len(c)}
+            first = next(iter(per_method.values()))
+            same = all(len(c) == len(first) and np.allclose(c.to_numpy(), first.to_numpy(), rtol=1e-9, equal_nan=True)
+                       for c in per_method.values())
+            items = [("all methods", first)] if same else list(per_method.items())
+            curves += [(budget, who, acct, c.reset_index()) for who, c in items]
+    return curves
+
+
+def epsilon_vs_round(results: StudyResults, folder: Path) -> list[Path]:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    colors = _colors(_budgets(results))
+    styles = {"rdp": "-", "prv": "--", "pld": ":"}
+    for budget, who, acct, curve in epsilon_curves(results):
+        label = f"{budget} ({who}), {acct}"
+        ax.plot(curve["round"], curve[f"epsilon_{acct}"], linestyle=styles[acct], color=colors[budget], label=label)
+    ax.set(xlabel="round", ylabel="epsilon", title=f"{results.study.name}: privacy spent per round")
+    _integer_rounds(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, folder, "epsilon_vs_round")
+
+
+def write_figures(results: StudyResults, folder: Path) -> dict[str, list[Path]]:
+    """Every figure as PNG and SVG in ``folder``; returns name -> paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not len(results.summary):
+        return {}
+    return {f.__name__: f(results, folder) for f in (metric_vs_round, final_vs_epsilon, epsilon_vs_round)}
+
