@@ -26,7 +26,7 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.experiments.study import TASK_METRICS, StudyConfig, build_study, selection_rule
-from fedprivacy.experiments.sweep import ERROR_FILE, RUN_RECORD, read_manifest, read_summary
+from fedprivacy.experiments.sweep import ERROR_FILE, RUN_RECORD, read_manifest, read_summary, run_state
 
 ACCOUNTANTS = ("rdp", "prv", "pld")
 WALL_COLUMNS = ("seconds", "train_seconds", "wall_seconds")
@@ -61,10 +61,11 @@ class StudyResults:
 
 
 def _hp_value(values: list[Any]) -> list[Any]:
-    """A grid column as numbers when every value is one, else as text (Parquet needs one type)."""
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return [float(v) for v in values]
-    return [v if isinstance(v, str) else json.dumps(v) for v in values]
+    """A grid column as numbers when every value is one (NaN where a method has no such grid key),
+    else as text (Parquet needs one type per column)."""
+    if all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+        return [math.nan if v is None else float(v) for v in values]
+    return [None if v is None else v if isinstance(v, str) else json.dumps(v) for v in values]
 
 
 def run_ledger(folder: Path) -> dict[str, Any] | None:
@@ -130,7 +131,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
         ident = {"run_id": r["run_id"], "method": r["method"], "budget": r["budget"],
                  "budget_epsilon": budget_eps.get(r["budget"], math.nan), "seed": r["seed"],
                  "hparams": ", ".join(f"{k}={v}" for k, v in r["hparams"].items()) or "-"}
-        summary = read_summary(folder)
+        summary = read_summary(folder) if run_state(folder) == "finished" else None
         metrics = pd.read_csv(folder / "metrics.csv") if (folder / "metrics.csv").exists() else pd.DataFrame()
         row: dict[str, Any] = {**ident, **{f"hp.{k}": r["hparams"].get(k) for k in hp_keys},
                                "finished": summary is not None, "failed": (folder / ERROR_FILE).exists()}

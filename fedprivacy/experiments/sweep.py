@@ -75,9 +75,29 @@ def read_summary(folder: Path) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) and "rounds_completed" in summary else None
 
 
+def _read_record(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {"attempts": []}
+
+
+def _write_record(folder: Path, record: dict[str, Any]) -> None:
+    tmp = folder / (RUN_RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, folder / RUN_RECORD)
+
+
 def run_state(folder: Path) -> str:
-    """``finished`` (complete summary), ``partial`` (a checkpoint, no summary) or ``new``."""
-    if read_summary(folder) is not None:
+    """``finished``, ``partial`` (a checkpoint to resume from) or ``new``.
+
+    Finished means a complete ``summary.json`` and, for a run started by a sweep, that its last attempt
+    returned: a worker stopped after the summary was written but before ``run`` returned (it still
+    plots) is resumed, which at the last round only rewrites the final files.
+    """
+    record = _read_record(folder)
+    returned = not record["attempts"] or record["attempts"][-1].get("wall_seconds") is not None
+    if read_summary(folder) is not None and returned:
         return "finished"
     return "partial" if (folder / "checkpoint.pt").exists() else "new"
 
@@ -89,6 +109,15 @@ def rounds_logged(folder: Path) -> int:
             return max(sum(1 for _ in f) - 1, 0)
     except OSError:
         return 0
+
+
+def checkpoint_round(folder: Path) -> int:
+    """The round the run's ``checkpoint.pt`` holds (0 without one): where a resume continues from."""
+    if not (folder / "checkpoint.pt").exists():
+        return 0
+    import torch
+
+    return int(torch.load(folder / "checkpoint.pt", weights_only=False, mmap=True, map_location="cpu")["round"])
 
 
 # -- manifest ---------------------------------------------------------------------------------
@@ -191,19 +220,6 @@ def _log_to(path: Path) -> None:
     root.setLevel(logging.INFO)
 
 
-def _read_record(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        return {"attempts": []}
-
-
-def _write_record(folder: Path, record: dict[str, Any]) -> None:
-    tmp = folder / (RUN_RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, folder / RUN_RECORD)
-
-
 def execute(run_id: str, config_json: str) -> dict[str, Any]:
     """Run (or resume, or skip if finished) one run of a sweep (``config_json`` from :func:`transferable`);
     never raises."""
@@ -213,14 +229,14 @@ def execute(run_id: str, config_json: str) -> dict[str, Any]:
     folder = Path(cfg.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder / ".lock", blocking=True):
-        if read_summary(folder) is not None:
+        if run_state(folder) == "finished":
             return {"run_id": run_id, "status": "skipped"}
         if _events is not None:
             _events.put(("start", run_id))
         _log_to(folder / "run.log")
         (folder / ERROR_FILE).unlink(missing_ok=True)
         record = _read_record(folder)
-        record["attempts"].append({"start_round": rounds_logged(folder), "wall_seconds": None})
+        record["attempts"].append({"start_round": checkpoint_round(folder), "wall_seconds": None})
         _write_record(folder, record)
         t0 = time.perf_counter()
         try:
