@@ -13,7 +13,8 @@ the call (peak minus the resident memory when the call started), which is what t
     python benchmarks/client_resources.py [--supernodes 2] [--rounds 2] [--only plain sdp-adam ...]
 
 Prints a Markdown table (and writes it with the raw summaries to ``--out``). Optimizer-state bytes
-per parameter (DP-MicroAdam vs DP-Adam) are measured separately by ``optimizer_state_memory.py``.
+per parameter (DP-MicroAdam vs DP-Adam) are measured separately by ``optimizer_state_memory.py``
+(a ClientApp process's peak is dominated by Python, torch and the 20 MB model copies).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "sdp-adambc": ("sample-DP AdamBC", {"client": {"sample_dp": {**SAMPLE_DP, "optimizer": "adambc", "lr": 0.01}}}),
     "sdp-microadam": ("sample-DP MicroAdam",
                       {"client": {"sample_dp": {**SAMPLE_DP, "optimizer": "microadam", "lr": 0.01}}}),
+    "sdp-disk": ("sample-DP SGD + DiSK (kappa 0.7)",
+                 {"client": {"sample_dp": {**SAMPLE_DP, "optimizer": "sgd", "disk_kappa": 0.7, "disk_gamma": 0.5}}}),
+    "adadps": ("local SGD, AdaDPS A (top 100 words)", {"client": {"adadps": {"source": "top_words"}, "lr": 0.15}}),
+    "compressed": ("local SGD, top-1% upload + 4-bit residual", {"client": {"compression": {"density": 0.01}}}),
 }
 
 

@@ -134,7 +134,9 @@ class AdaDPSConfig(_Section):
     cap: float = Field(1e4, ge=1.0)
     """frequency, tfidf: multipliers 1 / A are kept within [1 / cap, cap]."""
     scale: float = Field(1.0, gt=0.0)
-    """A <- scale * A for every source (equivalent to clip_norm * scale with lr / scale; notes §9.5)."""
+    """A <- scale * A for every source. Where A covers every coordinate (rmsprop with
+    ``precondition_bias``) and a client takes one local step, this equals clip_norm * scale with the
+    server lr / scale (notes/adadps.md §9.5); the word rules leave the bias at A = 1."""
     estimator: Literal["epoch", "recurrence"] = "epoch"
     """rmsprop: the paper code's full pass (v = mean of squared public batch-mean gradients) or the
     paper's recurrence v <- beta v + (1 - beta) g^2 over the same batches."""
@@ -153,9 +155,11 @@ class AdaDPSConfig(_Section):
 
     @model_validator(mode="after")
     def _settings_apply(self) -> AdaDPSConfig:
-        unread = self.model_fields_set - _ADADPS_SETTINGS[self.source] - {"source", "scale"}
+        # a setting counts when it differs from its default (a serialized config sets every field)
+        given = {k for k in self.model_fields_set if getattr(self, k) != type(self).model_fields[k].default}
+        unread = given - _ADADPS_SETTINGS[self.source] - {"source", "scale"}
         if self.source == "rmsprop" and self.estimator != "recurrence":
-            unread |= {"beta"} & self.model_fields_set
+            unread |= {"beta"} & given
         if unread:
             raise ValueError(f"client.adadps.source={self.source!r} does not read "
                              + ", ".join(f"client.adadps.{k}" for k in sorted(unread)))
@@ -177,8 +181,8 @@ class CompressionConfig(_Section):
     """Uplink compression with error feedback (DP-MicroAdam's machinery on the client,
     notes/microadam.md §3 Option B; fedprivacy.client.compression).
 
-    Each client sends ``s = clip(top_k(Delta + e), C)`` and keeps ``e <- Q(Delta + e - s)`` in its
-    ``Context.state`` across rounds (also rounds it sits out). The server clips and noises as
+    Each client sends ``s = clip(top_k(Delta + e), C)`` and keeps ``e <- Q(Delta + e - top_k(Delta + e))``
+    in its ``Context.state`` across rounds (also rounds it sits out). The server clips and noises as
     always: the noise is dense over every coordinate. Needs ``privacy.placement: central``.
     """
 

@@ -10,6 +10,7 @@ Layout of ``output_dir``::
     checkpoint.pt       everything needed to resume (written atomically)
     metrics.png         test accuracy and epsilon vs round
     summary.json        final numbers and why the run stopped
+    side_information.json   AdaDPS only: provenance of each public A the clients received
 """
 
 from __future__ import annotations
@@ -79,8 +80,12 @@ class RunOutputs:
     def save_checkpoint(self, state: dict) -> None:
         _atomic_save({**state, "metrics": self.rows, "config": self.cfg.to_json()}, self.checkpoint_path)
 
+    def write_json(self, name: str, data: Any) -> None:
+        """``name`` in the run folder, as indented JSON."""
+        (self.dir / name).write_text(json.dumps(data, indent=2, default=str))
+
     def finish(self, summary: dict[str, Any]) -> None:
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        self.write_json("summary.json", summary)
         if self.rows:
             plot_metrics(pd.DataFrame(self.rows), self.dir / "metrics.png", summary.get("majority_baseline_accuracy"))
 

@@ -179,6 +179,10 @@ class TagPredictionTask(_BagOfWordsTask):
         rows = self._client_rows(index)
         return _take(self.train.features, rows), _take(self.train.labels, rows)
 
+    def public_examples(self) -> tuple[sp.csr_matrix, np.ndarray] | None:
+        """The public pool's posts and labels (held-out users), or None."""
+        return None if self.public is None else (self.public.features, self.public.labels)
+
     @staticmethod
     def loss(logits: torch.Tensor, labels: np.ndarray) -> torch.Tensor:
         """Mean softmax cross-entropy over the batch."""
@@ -214,6 +218,10 @@ class MultiLabelTagTask(_BagOfWordsTask):
     def client_data(self, index: int) -> tuple[sp.csr_matrix, sp.csr_matrix]:
         rows = self._client_rows(index)
         return _take(self.train.features, rows), _take(self.train.tags, rows)
+
+    def public_examples(self) -> tuple[sp.csr_matrix, sp.csr_matrix] | None:
+        """The public pool's posts and multi-hot tags (held-out users), or None."""
+        return None if self.public is None else (self.public.features, self.public.tags)
 
     @staticmethod
     def loss(logits: torch.Tensor, tags: sp.csr_matrix) -> torch.Tensor:

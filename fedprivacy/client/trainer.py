@@ -85,7 +85,8 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: np.ndarray) -> torch.Ten
 def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np.ndarray | sp.csr_matrix, *,
               epochs: int, batch_size: int, lr: float, rng: np.random.Generator,
               start_from: torch.Tensor | None = None,
-              loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> LocalResult:
+              loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+              preconditioner: dict[str, torch.Tensor] | None = None) -> LocalResult:
     """Train from the model's weights (or from ``start_from``); return ``x_local - x_start``.
 
     The model holds ``x_t`` before and after the call. ``start_from`` (a full flat vector, e.g.
@@ -95,10 +96,14 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
     cross-entropy (then the sparse model trains in closed form on its weight rows); other tasks
     (multi-label BCE, next-word) pass theirs and train by autograd. With ``lr = 0`` the delta is
     exactly zero.
+
+    AdaDPS (``preconditioner``: parameter name -> public ``A``, broadcastable to the parameter; an
+    absent name is A = 1): every step is :math:`x \\leftarrow x - \\eta_l \\nabla f(x) \\oslash A`
+    (arXiv:2202.05963v2, Alg. 3); the support is unchanged (A divides, it never spreads a gradient).
     """
     if loss_fn is None and hasattr(model, "support_blocks"):
         return _local_sgd_blocks(model, features, labels, epochs=epochs, batch_size=batch_size, lr=lr, rng=rng,
-                                 start_from=start_from)
+                                 start_from=start_from, preconditioner=preconditioner)
     view = FlatView(model)
     device = view.params[0].device
     support = (model.update_support(features) if hasattr(model, "update_support")
@@ -108,6 +113,8 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
     if start_from is not None:
         view.scatter_(support, start)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    divide = [(p, preconditioner[name].to(p.device)) for name, p in model.named_parameters()
+              if preconditioner and name in preconditioner]
     n = features.shape[0]
     loss_fn = loss_fn or softmax_cross_entropy
     loss_sum = 0.0
@@ -120,6 +127,8 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(model(features[idx]), labels[idx])
                 loss.backward()
+                for p, a in divide:
+                    _divide_grad_(p, a)
                 optimizer.step()
                 loss_sum += float(loss.detach()) * len(idx)
         values = view.gather(support).sub_(start)
@@ -129,9 +138,19 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
 
 
+def _divide_grad_(p: nn.Parameter, a: torch.Tensor) -> None:
+    """``p.grad <- p.grad / A`` (a sparse row gradient, as ``EmbeddingBag(sparse=True)``'s, row by row)."""
+    if p.grad.is_sparse:
+        g = p.grad
+        p.grad = torch.sparse_coo_tensor(g._indices(), g._values() / a.index_select(0, g._indices()[0]), g.shape)
+    else:
+        p.grad.div_(a)
+
+
 def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
                       batch_size: int, lr: float, rng: np.random.Generator,
-                      start_from: torch.Tensor | None) -> LocalResult:
+                      start_from: torch.Tensor | None,
+                      preconditioner: dict[str, torch.Tensor] | None = None) -> LocalResult:
     """:func:`local_sgd` for a model that trains on its support rows alone (``support_blocks``).
 
     The same SGD on the same batches, on a ``(r, K)`` copy of the rows the client's data touches
@@ -144,6 +163,7 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
     k = origin.shape[1]
     start = origin if start_from is None else start_from.view(-1, k).index_select(0, blocks).to(origin.dtype)
     theta = start.clone()
+    inverse_a = model.inverse_preconditioner(preconditioner, blocks)
     n = features.shape[0]
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(theta.device)
     loss_sum = 0.0
@@ -151,7 +171,7 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
         order = rng.permutation(n)
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
-            loss_sum += model.local_sgd_step_(local, idx, theta, y_all[idx], lr) * len(idx)
+            loss_sum += model.local_sgd_step_(local, idx, theta, y_all[idx], lr, inverse_a) * len(idx)
     values = theta.sub_(start)
     return LocalResult(update=SparseUpdate(blocks, values, sum(p.numel() for p in model.parameters())),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)

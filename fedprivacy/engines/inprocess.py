@@ -4,7 +4,9 @@ No Ray, no SuperLink, no polling sleeps: ``send_and_receive`` returns a lazy ite
 each destination's ClientApp when the ServerApp asks for the next reply, so the server's
 streaming aggregator holds one client update at a time. Messages are the real Flower
 ``Message``/``RecordDict`` objects, handed over without serialization. Each node keeps its
-``Context`` (and ``context.state``) across rounds, like a SuperNode.
+``Context`` (and ``context.state``) across rounds, like a SuperNode; the server saves the nodes'
+non-empty states with its checkpoint and restores them on resume (:meth:`InProcessGrid.node_state_dict`),
+so client-side state (uplink residuals) survives a crash as it would on a device.
 
 A ClientApp that raises produces an error reply, as Flower's runtimes do, so the ServerApp
 treats it as a dropout (invariant 11).
@@ -80,6 +82,18 @@ class InProcessGrid(Grid):
         """Deliver each message to its node's ClientApp and yield the reply (lazily, in order)."""
         for message_id in self.push_messages(messages):
             yield from self.pull_messages([message_id])
+
+    # -- node state (kept with the server's checkpoint) ----------------------------------------
+    def node_state_dict(self) -> dict[int, RecordDict]:
+        """Each node's ``Context.state`` that is not empty (e.g. uplink residuals, AdaDPS's ``A``)."""
+        return {node_id: context.state for node_id, context in self._contexts.items()}
+
+    def load_node_state_dict(self, states: dict[int, RecordDict]) -> None:
+        """Restore :meth:`node_state_dict` (a resumed run's nodes continue with their state, as SuperNodes would)."""
+        for node_id, state in states.items():
+            context = self._context(node_id)
+            context.state = state
+            self._contexts[node_id] = context
 
     # -- delivery ---------------------------------------------------------------------------
     def _context(self, node_id: int) -> Context:

@@ -13,6 +13,9 @@ Message contract (``message_type``):
   (:func:`~fedprivacy.client.sample_dp.train_sample_dp_softmax`, a dense delta) and adds its
   round's releases to the metrics (:func:`~fedprivacy.client.sample_dp.event_metrics`: noise
   multiplier, q_i, steps, n_i in units, its delta) for the server's per-client ledger.
+  With ``client.adadps`` the config names ``"adadps-version"`` and, the first time, the content
+  carries ``"adadps"``: the public ``A`` the node keeps in its ``Context.state`` and divides every
+  local gradient by (:mod:`fedprivacy.fl.side_information`).
   Central placement (default): the client does not clip; the server clips what it receives
   (invariant 1 holds because the reply IS the transmitted vector). Distributed and local
   placements: the client clips and adds its noise itself and sends the DENSE noised vector
@@ -30,6 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
+from fedprivacy.client.compression import Residual, compress
 from fedprivacy.client.sample_dp import event_metrics, train_sample_dp_softmax
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
@@ -38,11 +42,14 @@ from fedprivacy.optim.sample_dp import SampleDPConfig
 from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
-from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
+from fedprivacy.fl.records import arrays_to_record, load_record_, record_to_arrays, record_to_vector, update_to_record
 from fedprivacy.fl.server_app import config_from_context
+from fedprivacy.fl.side_information import node_side_information
 from fedprivacy.task import load_task
 
 SAMPLE_DP_STREAM = 0x73616D706C65  # "sample": a client's sample-level DP streams, per (run seed, round, client)
+COMPRESSION_STREAM = 0x636F6D70  # "comp": a client's stochastic rounding of its residual, per (run seed, round, client)
+RESIDUAL = "uplink-residual"  # Context.state key of the error-feedback residual (fedprivacy.client.compression)
 
 
 @functools.lru_cache(maxsize=2)
@@ -114,22 +121,25 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         task = load_task(c.data)
         features, labels = task.client_data(partition)
         loss_fn = None if c.data.task == "tag" else task.loss  # tag: the closed-form softmax path
+        side = node_side_information(msg, context, c.device)  # AdaDPS's public A, or None
 
         def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
             return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
                              lr=c.client.lr, rng=client_generator(c.seed, server_round, partition), start_from=start,
-                             loss_fn=loss_fn)
+                             loss_fn=loss_fn, preconditioner=side)
 
         lookahead = msg.content.array_records.get("lookahead")
         s = c.client.sample_dp
-        privacy_metrics = {}
+        extra_metrics = {}  # record-level privacy events, compression diagnostics
         if s is not None:  # record-level DP; the config excludes DiSK's lookahead
             seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition])
             result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
                                              target_delta=s.target_delta, accountant=s.accountant,
-                                             secure_noise=c.privacy.secure_noise)
+                                             secure_noise=c.privacy.secure_noise,
+                                             preconditioner=None if side is None else
+                                             (side["embedding.weight"], side.get("bias")))
             update = SparseUpdate.dense(result.delta)
-            privacy_metrics = event_metrics(result)
+            extra_metrics = event_metrics(result)
         elif lookahead is None:
             result = train_from(None)
             update = result.update
@@ -138,6 +148,10 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
             ahead = train_from(lookaheads.vector(lookahead, model, c.device))
             result = ahead if coefficient == 1.0 else train_from(None)
             update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
+        if c.client.compression is not None:  # top-k of delta + residual, clipped; the residual stays here
+            update, compression_metrics = _compress_upload(update, context, c, model, server_round, partition,
+                                                           float(msg.content["config"]["clip-norm"]))
+            extra_metrics.update(compression_metrics)
         p = c.privacy
         if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
             std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort)
@@ -146,11 +160,32 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         content = RecordDict({
             "arrays": update_to_record(update),
             "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples,
-                                     **privacy_metrics}),
+                                     **extra_metrics}),
         })
         return Message(content, reply_to=msg)
 
     return app
+
+
+def _compress_upload(update: SparseUpdate, context: Context, c: RunConfig, model: torch.nn.Module, server_round: int,
+                     partition: int, clip_norm: float) -> tuple[SparseUpdate, dict[str, float]]:
+    """The upload :math:`\\mathrm{clip}(T_k(\\Delta + e), C)`; the new residual replaces the old in ``context.state``."""
+    comp = c.client.compression
+    held = context.state.array_records.get(RESIDUAL)
+    residual = None if held is None else Residual.from_arrays(record_to_arrays(held))
+    generator = None
+    if comp.quantization == "4bit_stochastic":
+        seq = np.random.SeedSequence([c.seed, COMPRESSION_STREAM, server_round, partition])
+        generator = torch.Generator().manual_seed(int(seq.generate_state(1, np.uint64)[0] >> 1))
+    out = compress(update, residual, density=comp.density, clip_norm=clip_norm, quantization=comp.quantization,
+                   bucket_size=comp.bucket_size, generator=generator,
+                   tensor_sizes=[p.numel() for p in model.parameters()] if comp.per_tensor else None)
+    if out.residual is None:
+        if held is not None:
+            del context.state[RESIDUAL]
+    else:
+        context.state[RESIDUAL] = arrays_to_record(out.residual.to_arrays())
+    return out.sent, {"residual-bytes": float(out.residual.nbytes if out.residual else 0)}
 
 
 app = build_client_app()

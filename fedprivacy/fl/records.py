@@ -2,9 +2,10 @@
 
 - A model (the broadcast) travels as an ``ArrayRecord`` keyed by parameter name; it is
   flattened in ``model.parameters()`` order (``parameters_to_vector``).
-- A client update travels as ``{"indices": int64[k], "values": float32[k]}``: a flat COO vector
-  in that same order, or ``{"indices": int64[r], "values": float32[r, b]}``: block-sparse rows of
-  the flat vector viewed as ``(d / b, b)`` (see :class:`~fedprivacy.privacy.aggregation.SparseUpdate`).
+- A client update travels as ``{"indices": int32[k], "values": float32[k]}``: a flat COO vector
+  in that same order, or ``{"indices": int32[r], "values": float32[r, b]}``: block-sparse rows of
+  the flat vector viewed as ``(d / b, b)`` (see :class:`~fedprivacy.privacy.aggregation.SparseUpdate`);
+  int64 indices are accepted too (and sent when an index would not fit in int32).
   The server validates it before use; anything else decodes to ``None`` (rejected, contributes zero).
 - Encoding writes the bytes ``np.save`` writes, with one copy; decoding on the CPU is a zero-copy
   read-only view (Flower's ``Array`` holds ``.npy`` bytes; its own helpers copy twice each way).
@@ -82,11 +83,15 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
 
 
 def update_to_record(update: SparseUpdate) -> ArrayRecord:
-    """Encode a client's update (values 1-D: flat COO or dense; 2-D: block-sparse rows)."""
+    """Encode a client's update (values 1-D: flat COO or dense; 2-D: block-sparse rows). Indices
+    travel as int32 when every one fits (half the bytes of a flat COO index), else int64."""
     values = update.values.detach().to("cpu", torch.float32).numpy()
     if update.indices is None:
         return ArrayRecord({"values": _array(values)})
-    return ArrayRecord({"indices": _array(update.indices.cpu().numpy()), "values": _array(values)})
+    indices = update.indices.cpu().numpy()
+    if update.dim // update.block <= np.iinfo(np.int32).max + 1:
+        indices = indices.astype(np.int32)
+    return ArrayRecord({"indices": _array(indices), "values": _array(values)})
 
 
 def record_to_update(record: object, dim: int, device: str | torch.device = "cpu") -> SparseUpdate | None:
@@ -104,9 +109,9 @@ def record_to_update(record: object, dim: int, device: str | torch.device = "cpu
     if "indices" not in record:
         return SparseUpdate(None, vals, dim)
     indices = record["indices"]
-    if indices.dtype != "int64" or len(indices.shape) != 1:
+    if indices.dtype not in ("int32", "int64") or len(indices.shape) != 1:
         return None
-    return SparseUpdate(_tensor(_view(indices)).to(device), vals, dim)
+    return SparseUpdate(_tensor(_view(indices)).to(device, torch.int64), vals, dim)  # int32: widened (a copy)
 
 
 def record_to_vector(record: object, model: nn.Module, device: str | torch.device = "cpu") -> torch.Tensor | None:
@@ -144,3 +149,33 @@ def _record_parts(record: object, model: nn.Module) -> list[np.ndarray] | None:
 def model_to_record(model: nn.Module) -> ArrayRecord:
     """The broadcast: the model's parameters by name."""
     return ArrayRecord({name: _array(p.detach().cpu().numpy()) for name, p in model.named_parameters()})
+
+
+def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """Named numpy arrays as an ``ArrayRecord`` (one copy each)."""
+    return ArrayRecord({name: _array(a) for name, a in arrays.items()})
+
+
+def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """Inverse of :func:`arrays_to_record`: READ-ONLY views over the record's bytes."""
+    return {name: _view(record[name]) for name in record.keys()}
+
+
+def tensors_to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """Named float32 tensors (e.g. AdaDPS's ``A`` per parameter name) as an ``ArrayRecord``."""
+    return arrays_to_record({name: t.detach().to("cpu", torch.float32).contiguous().numpy()
+                             for name, t in tensors.items()})
+
+
+def record_to_tensors(record: ArrayRecord, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Inverse of :func:`tensors_to_record` (read-only views on the CPU); raises ValueError on non-float32 arrays."""
+    arrays = record_to_arrays(record)
+    for name, a in arrays.items():
+        if a.dtype != np.float32:
+            raise ValueError(f"array {name!r} is {a.dtype}, expected float32")
+    return {name: _tensor(a).to(device) for name, a in arrays.items()}
+
+
+def record_nbytes(record: ArrayRecord) -> int:
+    """Bytes of a record's arrays as they travel (``.npy`` payloads, headers included)."""
+    return sum(len(record[name].data) for name in record.keys())

@@ -31,7 +31,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.sample_dp import event_from_metrics
 from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig, config_from_json, load_config
-from fedprivacy.fl.records import model_to_record, record_to_update
+from fedprivacy.fl.records import model_to_record, record_nbytes, record_to_update
+from fedprivacy.fl.side_information import VERSION as SIDE_INFO_VERSION
+from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
@@ -166,8 +168,10 @@ class DPFedAvgServer:
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
         self.ledger = PrivacyLedger()
         self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise, sample-level DP), per client
+        self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
         self.round = 0
         self.outputs = RunOutputs(cfg)
+        self.grid: Grid | None = None
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -181,6 +185,9 @@ class DPFedAvgServer:
             "disk": self.disk.state_dict() if self.disk else None,
             "adaptive_clip": self.adaptive_clip.state_dict() if self.adaptive_clip else None,
             "client_ledgers": self.client_ledgers.state_dict(),
+            "side_information": self.side_info.state_dict() if self.side_info else None,
+            # clients' own state where this engine holds it (in-process); real SuperNodes keep theirs
+            "node_states": self.grid.node_state_dict() if hasattr(self.grid, "node_state_dict") else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,6 +202,8 @@ class DPFedAvgServer:
         if self.adaptive_clip:
             self.adaptive_clip.load_state_dict(state["adaptive_clip"])
         self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})  # absent before placements existed
+        if self.side_info:
+            self.side_info.load_state_dict(state["side_information"])
 
     def _round_event(self) -> GaussianRound:
         """This round's accounting event: the sampler's, or the emulated deployment's."""
@@ -218,7 +227,9 @@ class DPFedAvgServer:
                           "client_privacy.csv)"}[p.placement]
         records = ("; clients train with sample-level DP (record-level epsilon of each client, at its own delta, "
                    "in client_privacy.csv)" if self.cfg.client.sample_dp is not None else "")
-        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}{records}"
+        side = ("; AdaDPS side information built from public inputs only (provenance in side_information.json)"
+                if self.side_info else "")
+        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}{records}{side}"
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
@@ -235,11 +246,16 @@ class DPFedAvgServer:
     # -- rounds -----------------------------------------------------------------------------
     def run(self, grid: Grid, resume: bool = False) -> dict[str, Any]:
         """Run rounds until ``cfg.rounds`` or the privacy budget; return the summary."""
+        self.grid = grid
         checkpoint = self.outputs.prepare(resume)
         log.info("privacy: %s", self.privacy_claim())
         if checkpoint is not None:
             self.load_state_dict(checkpoint)
             log.info("resumed from round %d (epsilon so far kept in the ledger)", self.round)
+            if checkpoint.get("node_states") and hasattr(grid, "load_node_state_dict"):
+                grid.load_node_state_dict(checkpoint["node_states"])
+            elif self.cfg.client.compression is not None:
+                log.warning("this engine keeps no client state across a resume: uplink residuals restart at zero")
         else:
             self.outputs.save_model("initial_model.pt", self._model_state())
         nodes = discover_nodes(grid, self.population)
@@ -261,6 +277,8 @@ class DPFedAvgServer:
                    "majority_baseline_accuracy": self.task.majority_baseline,
                    "privacy_claim": self.privacy_claim(),
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
+        if self.side_info:
+            summary["side_information"] = self.side_info.builds[-1]
         if len(self.client_ledgers):  # per-client guarantees: a file with every client, extremes in the summary
             p = self.cfg.privacy
             self.client_ledgers.write_csv(self.outputs.dir / "client_privacy.csv", self.delta, list(p.accountants))
@@ -281,36 +299,51 @@ class DPFedAvgServer:
 
     def _run_round(self, grid: Grid, nodes: list[int], event: Any) -> None:
         t0 = time.perf_counter()
+        vector_to_parameters(self.params, self.model.parameters())
+        if self.side_info and self.side_info.update(self.round, self.model):  # public A at the released x_t
+            self.outputs.write_json("side_information.json", self.side_info.builds)
         self.round += 1
         cohort = self.sampler.sample()
-        vector_to_parameters(self.params, self.model.parameters())
         broadcast = model_to_record(self.model)
-        content = {"arrays": broadcast, "config": ConfigRecord({"server-round": self.round})}
+        config = {"server-round": self.round}
+        content = {"arrays": broadcast}
         lookahead = self.disk.lookahead(self.params) if self.disk else None
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
             vector_to_parameters(lookahead, self.model.parameters())
             content["lookahead"] = model_to_record(self.model)
-            content["config"] = ConfigRecord({"server-round": self.round, "disk-c": self.disk.c})
+            config["disk-c"] = self.disk.c
+        side_info_bytes = 0
+        p = self.cfg.privacy
+        clip_norm = self.adaptive_clip.clip_norm if self.adaptive_clip else p.clip_norm
+        if self.cfg.client.compression is not None:  # clients clip what they send at this round's C
+            config["clip-norm"] = clip_norm
+        if self.side_info:
+            config[SIDE_INFO_VERSION] = self.side_info.version
+            side_info_bytes = sum(self.side_info.bytes_for(nodes[i]) for i in cohort)
+        content["config"] = ConfigRecord(config)
         downlink = self._downlink_bytes(lookahead is not None)  # before this round's step changes the model
         expected = {nodes[i] for i in cohort}
         messages = [
-            Message(RecordDict(content), dst_node_id=nodes[i], message_type="train", group_id=str(self.round))
+            Message(RecordDict({**content, **(self.side_info.content_for(nodes[i]) if self.side_info else {})}),
+                    dst_node_id=nodes[i], message_type="train", group_id=str(self.round))
             for i in cohort
         ]
-        p = self.cfg.privacy
-        clip_norm = self.adaptive_clip.clip_norm if self.adaptive_clip else p.clip_norm
         agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_noise(p),
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
         if self.prefetch_noise:
             agg.prefetch_noise(self.noise)  # drawn on a second core while the clients train
         partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
+        uplink: list[int] = []
+        residual_bytes: list[float] = []
         for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s):
             src = reply.metadata.src_node_id
             if src not in expected:  # a duplicate or unsolicited reply never counts twice
                 log.warning("round %d: ignoring unexpected reply from node %s", self.round, src)
                 continue
             expected.discard(src)
+            if self.side_info:
+                self.side_info.acknowledge(src, not reply.has_error())
             if p.placement == "local" and not reply.has_error():  # the client released a noised upload
                 self.client_ledgers.compose(partition_of[src], local_upload_event(p.noise_multiplier))
             if self.cfg.client.sample_dp is not None and not reply.has_error():  # its record-level DP steps
@@ -326,9 +359,12 @@ class DPFedAvgServer:
                 log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
                 agg.add_(None)
                 continue
-            update = record_to_update(reply.content.array_records.get("arrays"), self.params.numel(), self.cfg.device)
+            arrays = reply.content.array_records.get("arrays")
+            update = record_to_update(arrays, self.params.numel(), self.cfg.device)
             if agg.add_(update):
                 losses.append(float(reply.content["metrics"]["train_loss"]))
+                uplink.append(record_nbytes(arrays))
+                residual_bytes.append(float(reply.content["metrics"].get("residual-bytes", 0.0)))
             elif update is not None:
                 log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
         dropped = len(expected)
@@ -355,6 +391,11 @@ class DPFedAvgServer:
         if self.adaptive_clip:
             row["unclipped_fraction_released"] = row_unclipped
         row["downlink_bytes_per_client"] = float(downlink)
+        row["uplink_bytes_per_client"] = sum(uplink) / len(uplink) if uplink else float("nan")
+        if self.cfg.client.compression is not None:
+            row["residual_bytes_per_client"] = sum(residual_bytes) / len(residual_bytes) if residual_bytes else 0.0
+        if self.side_info:
+            row["side_information_bytes"] = float(side_info_bytes)
         row["cohort_sampled"] = float(len(cohort))
         row["cohort_dropped"] = float(dropped)
         row["seconds"] = time.perf_counter() - t0

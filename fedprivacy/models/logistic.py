@@ -101,22 +101,37 @@ class SparseLogisticRegression(nn.Module):
             torch.from_numpy(indices).to(device), theta[1:], torch.from_numpy(offsets).to(device), mode="sum",
             per_sample_weights=torch.from_numpy(weights).to(device)) + theta[0]
 
+    def inverse_preconditioner(self, preconditioner: dict[str, torch.Tensor] | None,
+                               blocks: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """AdaDPS's ``1 / A`` on the client's rows: ``(1 / A_W[words], 1 / A_b)`` for :meth:`local_sgd_step_`.
+
+        ``preconditioner`` maps parameter names to ``A`` (``embedding.weight``: ``(V, 1)`` or ``(V, K)``;
+        ``bias``: ``(K,)``; an absent name is A = 1). ``blocks`` as from :meth:`support_blocks`.
+        """
+        a_w = None if preconditioner is None else preconditioner.get("embedding.weight")
+        a_b = None if preconditioner is None else preconditioner.get("bias")
+        device = self.bias.device
+        inv_w = None if a_w is None else 1.0 / a_w.to(device).index_select(0, blocks[1:] - 1)
+        return inv_w, None if a_b is None else 1.0 / a_b.to(device)
+
     @staticmethod
     @torch.no_grad()
     def local_sgd_step_(local: LocalRows, rows: np.ndarray, theta: torch.Tensor, labels: torch.Tensor,
-                        lr: float) -> float:
+                        lr: float, inverse_a: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> float:
         """One SGD step of the mean cross-entropy of rows ``rows`` on ``theta`` in place, in closed form;
         returns the batch's mean loss before the step.
 
-        .. math:: b \\leftarrow b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}),\\quad
-                  W \\leftarrow W - \\tfrac{\\eta}{B} X^\\top (P - E_y)
+        .. math:: b \\leftarrow b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,\\quad
+                  W \\leftarrow W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
 
         The same step as autograd's gradient through :meth:`local_logits` (tested). The weight update
         is one sparse-dense ``addmm`` accumulated into ``theta`` itself: O(nnz K) work and no ``(r, K)``
         temporary (a gradient the size of the client's rows, allocated and zeroed every batch, cost
-        more than the arithmetic). A preconditioner on the weight rows (AdaDPS) scales the sparse
-        values of row ``w`` by ``1 / A_w``.
+        more than the arithmetic). AdaDPS (``inverse_a`` from :meth:`inverse_preconditioner`, A = 1
+        where None): a per-word ``A_W`` (``(r-1, 1)``) scales the sparse values of word ``w`` by
+        ``1 / A_w`` inside the same ``addmm``; a per-coordinate one (``(r-1, K)``) divides the product.
         """
+        inv_w, inv_b = inverse_a
         indices, offsets, weights = local.bag(rows)
         device, batch = theta.device, len(rows)
         idx, w = torch.from_numpy(indices).to(device), torch.from_numpy(weights).to(device)
@@ -126,12 +141,18 @@ class SparseLogisticRegression(nn.Module):
         dlogits = torch.softmax(logits, dim=1)
         dlogits[torch.arange(batch, device=device), labels] -= 1.0
         dlogits.div_(batch)
-        theta[0].sub_(dlogits.sum(0), alpha=lr)
+        bias_grad = dlogits.sum(0)
+        theta[0].sub_(bias_grad if inv_b is None else bias_grad.mul_(inv_b), alpha=lr)
+        if inv_w is not None and inv_w.shape[1] == 1:
+            w = w * inv_w[idx, 0]
         bag_of = torch.from_numpy(np.repeat(np.arange(batch, dtype=np.int64), np.diff(offsets, append=len(indices))))
         xt = torch.sparse_coo_tensor(torch.stack([idx, bag_of.to(device)]), w, (theta.shape[0] - 1, batch),
                                      check_invariants=False)  # in range by construction
         weight = theta[1:]
-        torch.addmm(weight, xt, dlogits, alpha=-lr, out=weight)
+        if inv_w is None or inv_w.shape[1] == 1:
+            torch.addmm(weight, xt, dlogits, alpha=-lr, out=weight)
+        else:
+            weight.addcmul_(torch.sparse.mm(xt, dlogits), inv_w, value=-lr)
         return loss
 
 

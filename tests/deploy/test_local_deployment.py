@@ -232,3 +232,26 @@ def test_on_device_privacy_modes_match_in_process(three_users, tmp_path, client)
     assert len(deployed) == USERS and summary["client_epsilon_clients"] == USERS
     pd.testing.assert_frame_equal(deployed, local)
     assert processes_using(out / "deployment" / "flwr-home") == []
+
+
+def test_compressed_uploads_and_side_information_stay_on_the_supernodes(three_users, tmp_path):
+    """State a SuperNode keeps between rounds (Context.state): each client's 4-bit uplink residual and
+    AdaDPS's A (sent once). Nothing is lost across 3 rounds: every reply is accepted without A being
+    sent again, each round's residual bytes equal the in-process engine's, and so does the model."""
+    tree = json.loads(_config(three_users, tmp_path / "deployed", rounds=3).to_json())
+    tree["client"] = {**tree["client"], "compression": {"density": 0.05, "quantization": "4bit", "bucket_size": 4096},
+                      "adadps": {"source": "ones"}}
+    cfg = build_config(tree)
+    summary = deploy_local(cfg, USERS, secure=False, timeout=600, printer=lambda _: None)
+    out = Path(cfg.output_dir)
+    assert summary["rounds_completed"] == 3
+    deployed = pd.read_csv(out / "metrics.csv")
+    assert (deployed["cohort_accepted"] == USERS).all()
+    assert deployed["side_information_bytes"].iloc[0] > 0 and (deployed["side_information_bytes"].iloc[1:] == 0).all()
+    inproc = build_config({**tree, "output_dir": str(tmp_path / "inprocess")})
+    _inprocess_with_dropouts(inproc, {})
+    local = pd.read_csv(tmp_path / "inprocess" / "metrics.csv")
+    assert deployed["residual_bytes_per_client"].tolist() == local["residual_bytes_per_client"].tolist()
+    assert (deployed["residual_bytes_per_client"].iloc[1:] > 0).all()
+    _assert_same_model(tmp_path / "inprocess", out)
+    assert processes_using(out / "deployment" / "flwr-home") == []
