@@ -4,9 +4,9 @@
   method (its selected grid point; mean over seeds, band = +-1 std), majority baseline dashed.
 - ``final_vs_epsilon``: final metric (mean +- std over seeds) against the epsilon actually spent
   (budget accountant), one line per method across budgets.
-- ``epsilon_vs_round``: epsilon under each accountant the runs tracked per round, per budget; one
-  line per budget when every method's curve is the same (the usual case: server variants are
-  post-processing of the same mechanism), else one per method.
+- ``epsilon_vs_round``: epsilon under rdp, prv and pld against the round, from the selected runs'
+  privacy ledgers, per budget; one line per budget and accountant when every method's curve is the
+  same (the usual case: server variants are post-processing of the same mechanism), else one per method.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults
+from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, epsilon_curves
 
 FORMATS = ("png", "svg")
 
@@ -48,9 +48,9 @@ def _integer_rounds(ax) -> None:
 
 def selected_rounds(results: StudyResults) -> pd.DataFrame:
     """Rows of the tidy table that belong to each method's selected grid point (finished runs)."""
-    keys = results.summary[["method", "budget", "hparams"]]
-    if not len(keys) or not len(results.rounds):
+    if not len(results.summary) or not len(results.rounds):
         return results.rounds.iloc[0:0]
+    keys = results.summary[["method", "budget", "hparams"]]
     return results.rounds[results.rounds["finished"].astype(bool)].merge(keys, on=["method", "budget", "hparams"])
 
 
@@ -128,34 +128,39 @@ def final_vs_epsilon(results: StudyResults, folder: Path) -> list[Path]:
     return _save(fig, folder, "final_vs_epsilon")
 
 
-def epsilon_curves(results: StudyResults) -> list[tuple[str, str, str, pd.DataFrame]]:
-    """``(budget, who, accountant, round/epsilon frame)`` per curve; ``who`` is "all methods" when they agree."""
-    rows = selected_rounds(results)
-    curves = []
-    for budget in _budgets(results):
-        for acct in ACCOUNTANTS:
-            col = f"epsilon_{acct}"
-            if col not in rows or rows.loc[rows["budget"] == budget, col].isna().all():
-                continue
-            per_method = {m: rows[(rows["budget"] == budget) & (rows["method"] == m)].groupby("round")[col].mean()
-                          for m in _methods(results)}
-            per_method = {m: c for m, c in per_method.items() if len(c)}
-            first = next(iter(per_method.values()))
-            same = all(len(c) == len(first) and np.allclose(c.to_numpy(), first.to_numpy(), rtol=1e-9, equal_nan=True)
-                       for c in per_method.values())
-            items = [("all methods", first)] if same else list(per_method.items())
-            curves += [(budget, who, acct, c.reset_index()) for who, c in items]
-    return curves
+def selected_epsilon_curves(results: StudyResults) -> pd.DataFrame:
+    """Epsilon per round under every accountant (from the ledgers) of each method's selected runs:
+    columns budget, method, round, epsilon_<kind> (mean over the seeds' runs)."""
+    rows = selected_rounds(results)[["run_id", "method", "budget"]].drop_duplicates()
+    curves = epsilon_curves(results, rows["run_id"].tolist())
+    if not len(curves):
+        return pd.DataFrame(columns=["budget", "method", "round", *[f"epsilon_{k}" for k in ACCOUNTANTS]])
+    merged = curves.merge(rows, on="run_id")
+    return merged.groupby(["budget", "method", "round"], sort=False)[[f"epsilon_{k}" for k in ACCOUNTANTS]] \
+        .mean().reset_index()
 
 
-def epsilon_vs_round(results: StudyResults, folder: Path) -> list[Path]:
+def epsilon_vs_round(results: StudyResults, folder: Path, curves: pd.DataFrame | None = None) -> list[Path]:
     plt = _plt()
+    curves = selected_epsilon_curves(results) if curves is None else curves
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     colors = _colors(_budgets(results))
     styles = {"rdp": "-", "prv": "--", "pld": ":"}
-    for budget, who, acct, curve in epsilon_curves(results):
-        label = f"{budget} ({who}), {acct}"
-        ax.plot(curve["round"], curve[f"epsilon_{acct}"], linestyle=styles[acct], color=colors[budget], label=label)
+    for budget in _budgets(results):
+        cell = curves[curves["budget"] == budget]
+        per_method = {m: c.set_index("round") for m, c in cell.groupby("method", sort=False)}
+        if not per_method:
+            continue
+        first = next(iter(per_method.values()))
+        same = all(c.index.equals(first.index) and np.allclose(c.filter(like="epsilon_").to_numpy(dtype=float),
+                                                               first.filter(like="epsilon_").to_numpy(dtype=float),
+                                                               rtol=1e-9, equal_nan=True) for c in per_method.values())
+        items = [("all methods", first)] if same else list(per_method.items())
+        for who, c in items:
+            for acct in ACCOUNTANTS:
+                if c[f"epsilon_{acct}"].notna().any():
+                    ax.plot(c.index, c[f"epsilon_{acct}"], linestyle=styles[acct], marker=".", color=colors[budget],
+                            label=f"{budget} ({who}), {acct}")
     ax.set(xlabel="round", ylabel="epsilon", title=f"{results.study.name}: privacy spent per round")
     _integer_rounds(ax)
     ax.grid(alpha=0.3)
@@ -164,10 +169,12 @@ def epsilon_vs_round(results: StudyResults, folder: Path) -> list[Path]:
     return _save(fig, folder, "epsilon_vs_round")
 
 
-def write_figures(results: StudyResults, folder: Path) -> dict[str, list[Path]]:
-    """Every figure as PNG and SVG in ``folder``; returns name -> paths."""
+def write_figures(results: StudyResults, folder: Path, curves: pd.DataFrame | None = None) -> dict[str, list[Path]]:
+    """Every figure as PNG and SVG in ``folder``; returns name -> paths. ``curves``:
+    :func:`selected_epsilon_curves`, when the caller has it already."""
     folder.mkdir(parents=True, exist_ok=True)
     if not len(results.summary):
         return {}
-    return {f.__name__: f(results, folder) for f in (metric_vs_round, final_vs_epsilon, epsilon_vs_round)}
-
+    return {"metric_vs_round": metric_vs_round(results, folder),
+            "final_vs_epsilon": final_vs_epsilon(results, folder),
+            "epsilon_vs_round": epsilon_vs_round(results, folder, curves)}

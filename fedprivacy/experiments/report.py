@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from fedprivacy.experiments.figures import budget_accountant, write_figures
+from fedprivacy.experiments.figures import budget_accountant, selected_epsilon_curves, write_figures
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, load_results, write_tables
 from fedprivacy.experiments.study import nested
 
@@ -188,7 +188,8 @@ def render(results: StudyResults, figures: dict[str, list[Path]]) -> str:
         out += [f"Majority-class baseline (always predict the most frequent test label): {_fmt(base)}.", ""]
     out += [f"Mean ± sample std over seeds; final = last evaluation, best = best evaluation over rounds. Tables: "
             "`results/summary.csv` (this table), `results/grid.csv`, `results/runs.csv` (one row per run), "
-            "`results/rounds.csv` (one row per run and round; `.parquet` beside each).", "",
+            "`results/rounds.csv` (one row per run and round; `.parquet` beside each), `results/epsilon.csv` (epsilon "
+            "per round under every accountant, from the selected runs' ledgers).", "",
             "## Selection", "", *_selection_lines(results), "", "## Privacy", "", *_privacy_lines(results), "",
             "## Figures", ""]
     for name, paths in figures.items():
@@ -209,7 +210,11 @@ def write_report(output_dir: str | Path) -> Path:
     output_dir = Path(output_dir)
     results = load_results(output_dir)
     write_tables(results, output_dir / "results")
-    figures = write_figures(results, output_dir / "figures")
+    figures = {}
+    if len(results.summary):
+        curves = selected_epsilon_curves(results)
+        curves.to_csv(output_dir / "results" / "epsilon.csv", index=False)
+        figures = write_figures(results, output_dir / "figures", curves)
     path = output_dir / REPORT
     path.write_text(render(results, figures))
     return path

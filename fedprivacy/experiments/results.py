@@ -8,9 +8,10 @@
   the selection rule picked.
 - ``summary``: the picked point of each method x budget.
 
-Epsilon in ``runs``/``summary`` is computed from each run's own privacy ledger (``ledger.json``,
-extracted once from ``checkpoint.pt``) under rdp, prv and pld, whichever accountants the run tracked
-per round; identical ledgers are accounted once. ``std`` is the sample standard deviation over
+Epsilon in ``runs``/``summary`` (and the epsilon-per-round curves, :func:`epsilon_curves`) is
+computed from each run's own privacy ledger (``ledger.json``, extracted once from ``checkpoint.pt``)
+under rdp, prv and pld, whichever accountants the run tracked per round (the tidy table keeps those
+per-round columns as the run wrote them); identical ledgers are accounted once. ``std`` is the sample standard deviation over
 seeds (NaN for one seed).
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from fedprivacy.experiments.study import TASK_METRICS, StudyConfig, build_study, selection_rule
@@ -50,6 +52,8 @@ class StudyResults:
     runs: pd.DataFrame
     grid: pd.DataFrame
     summary: pd.DataFrame
+    ledgers: dict[str, tuple[str, float]]
+    """run_id -> (ledger state as JSON, delta) of each finished run with a ledger."""
 
     @property
     def incomplete(self) -> list[str]:
@@ -82,12 +86,36 @@ def run_ledger(folder: Path) -> dict[str, Any] | None:
     return state
 
 
-@functools.lru_cache(maxsize=256)
-def _epsilons(ledger_json: str, delta: float) -> dict[str, float]:
+@functools.lru_cache(maxsize=1024)
+def _epsilons(ledger_json: str, delta: float, rounds: int | None = None) -> dict[str, float]:
+    """Epsilon under every accountant after the ledger's first ``rounds`` rounds (all: ``None``)."""
     from fedprivacy.privacy.accounting import PrivacyLedger, epsilons
 
-    ledger = PrivacyLedger.from_state_dict(json.loads(ledger_json))
-    return {k: (math.nan if v is None else float(v)) for k, v in epsilons(ledger, delta, ACCOUNTANTS).items()}
+    entries, left = [], rounds
+    for rnd, count in PrivacyLedger.from_state_dict(json.loads(ledger_json)).entries:
+        take = count if left is None else min(count, left)
+        if take:
+            entries.append((rnd, take))
+        left = None if left is None else left - take
+    return {k: (math.nan if v is None else float(v)) for k, v in epsilons(entries, delta, ACCOUNTANTS).items()}
+
+
+def epsilon_curves(results: StudyResults, run_ids: list[str], points: int = 12) -> pd.DataFrame:
+    """Epsilon under every accountant against the round, from the runs' ledgers, at about ``points``
+    rounds per run (identical ledgers are accounted once): columns run_id, round, epsilon_<kind>."""
+    rows = []
+    for rid in run_ids:
+        if rid not in results.ledgers:
+            continue
+        ledger_json, delta = results.ledgers[rid]
+        total = _ledger_rounds(ledger_json)
+        for t in sorted({int(round(x)) for x in np.linspace(1, total, min(points, total))}):
+            rows.append({"run_id": rid, "round": t, **{f"epsilon_{k}": v for k, v in _epsilons(ledger_json, delta, t).items()}})
+    return pd.DataFrame(rows, columns=["run_id", "round", *[f"epsilon_{k}" for k in ACCOUNTANTS]])
+
+
+def _ledger_rounds(ledger_json: str) -> int:
+    return sum(e["count"] for e in json.loads(ledger_json)["entries"])
 
 
 def _final(series: pd.Series) -> float:
@@ -125,7 +153,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
     budget_eps = {b.name: (b.epsilon if b.epsilon is not None else math.nan) for b in study.budgets}
     hp_keys = list(dict.fromkeys(k for r in man["runs"] for k in r["hparams"]))
 
-    frames, rows = [], []
+    frames, rows, ledgers = [], [], {}
     for r in man["runs"]:
         folder = output_dir / "runs" / r["run_id"]
         ident = {"run_id": r["run_id"], "method": r["method"], "budget": r["budget"],
@@ -152,7 +180,8 @@ def load_results(output_dir: str | Path) -> StudyResults:
         if summary is not None:
             ledger = run_ledger(folder)
             if ledger is not None:
-                eps = _epsilons(json.dumps(ledger, sort_keys=True), float(summary["delta"]))
+                ledgers[r["run_id"]] = (json.dumps(ledger, sort_keys=True), float(summary["delta"]))
+                eps = _epsilons(*ledgers[r["run_id"]])
             else:  # no checkpoint: the per-round columns the run tracked
                 eps = {k: float(summary.get(f"epsilon_{k}", math.nan)) for k in ACCOUNTANTS}
         row.update({f"epsilon_{k}": v for k, v in eps.items()})
@@ -163,15 +192,15 @@ def load_results(output_dir: str | Path) -> StudyResults:
     runs = pd.DataFrame(rows)
     for k in hp_keys:
         runs[f"hp.{k}"] = _hp_value(runs[f"hp.{k}"].tolist())
-    tidy = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ID_COLUMNS))
     lead = [c for c in runs.columns if c in ID_COLUMNS or c.startswith("hp.") or c == "finished"]
+    tidy = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=lead)
     for k in hp_keys:
         if f"hp.{k}" in tidy:
             tidy[f"hp.{k}"] = _hp_value(tidy[f"hp.{k}"].tolist())
     tidy = tidy[lead + [c for c in tidy.columns if c not in lead]]
     grid = _grid(runs, metric, mode)
     summary = _summary(runs, grid, metric)
-    return StudyResults(output_dir, study, metric, (sel_metric, mode, at), man, tidy, runs, grid, summary)
+    return StudyResults(output_dir, study, metric, (sel_metric, mode, at), man, tidy, runs, grid, summary, ledgers)
 
 
 def _grid(runs: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:

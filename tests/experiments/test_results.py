@@ -133,3 +133,11 @@ def test_markdown_table_and_wall_time_helpers():
     df = pd.DataFrame({"a": ["x|y"], "b": [math.nan], "c": [0.123456], "seconds": [1.0], "wall_seconds": [2.0]})
     assert markdown_table(df[["a", "b", "c"]]).splitlines()[-1] == "| x\\|y | - | 0.1235 |"
     assert list(without_wall_time(df).columns) == ["a", "b", "c"]
+
+
+def test_report_of_a_study_with_no_finished_run(tmp_path):
+    study = build_study({"name": "empty", "output_dir": str(tmp_path / "empty"), "methods": {"A": {}},
+                         "budgets": [{"epsilon": 1}]})
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "study.json").write_text(json.dumps(manifest(study, expand(study))))
+    assert "No run has finished yet." in write_report(tmp_path / "empty").read_text()
