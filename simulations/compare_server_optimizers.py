@@ -8,14 +8,11 @@ the measured table and what it shows are in docs/COMPARISON.md.
     python simulations/compare_server_optimizers.py [--jobs 2] [--set output_dir=runs/compare] [--set base.rounds=40]
 """
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 
 from fedprivacy.cli import main
 
-STUDY = Path(__file__).resolve().parents[1] / "configs" / "compare_server_optimizers.yaml"
-
 if __name__ == "__main__":
-    sys.exit(main(["compare", str(STUDY), *sys.argv[1:]]))
+    sys.exit(main(["compare", str(Path(__file__).resolve().parents[1] / "configs" / "compare_server_optimizers.yaml"),
+                   *sys.argv[1:]]))
