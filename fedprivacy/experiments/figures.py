@@ -85,8 +85,8 @@ def metric_vs_round(results: StudyResults, folder: Path) -> list[Path]:
                 ax.fill_between(stats["round"], stats["mean"] - stats["std"].fillna(0),
                                 stats["mean"] + stats["std"].fillna(0), alpha=0.2, color=colors[method])
         base = results.summary.loc[results.summary["budget"] == budget, "majority_baseline"].mean()
-        if metric == "test_accuracy" and np.isfinite(base):
-            ax.axhline(base, linestyle="--", color="gray", label="majority class")
+        if results.baseline_applies and np.isfinite(base):
+            ax.axhline(base, linestyle="--", color="gray", label="majority baseline")
         ax.set(title=f"budget {budget}", xlabel="round", ylabel=metric)
         _integer_rounds(ax)
         ax.grid(alpha=0.3)
@@ -116,8 +116,8 @@ def final_vs_epsilon(results: StudyResults, folder: Path) -> list[Path]:
         ax.errorbar(sub[f"epsilon_{acct}"] * offset, sub[f"final_{metric}_mean"], yerr=sub[f"final_{metric}_std"],
                     marker="o", capsize=3, label=method, color=colors[method])
     base = s["majority_baseline"].mean()
-    if metric == "test_accuracy" and np.isfinite(base):
-        ax.axhline(base, linestyle="--", color="gray", label="majority class")
+    if results.baseline_applies and np.isfinite(base):
+        ax.axhline(base, linestyle="--", color="gray", label="majority baseline")
     if spread > 5:
         ax.set_xscale("log")
     ax.set(xlabel=f"epsilon ({acct}, delta as in each run)", ylabel=f"final {metric}",

@@ -7,6 +7,7 @@ display; otherwise (logs, CI) one line per finished run.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +72,7 @@ class SweepProgress:
             line = f"{run_id}: already finished"
         else:
             metric = {k: v for k, v in (summary or {}).items() if k.startswith("test_") and not k.endswith("loss")}
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in metric.items() if isinstance(v, float))
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metric.items() if isinstance(v, float) and math.isfinite(v))
             line = f"{run_id}: {summary.get('rounds_completed')} rounds" + (f", {shown}" if shown else "")
         text = f"[{len(self.closed)}/{self.total_runs}] {line}"
         if self.enabled:

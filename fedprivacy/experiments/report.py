@@ -184,9 +184,10 @@ def render(results: StudyResults, figures: dict[str, list[Path]]) -> str:
         return "\n".join(out)
     base = results.summary["majority_baseline"].mean()
     out += [markdown_table(_summary_table(results)), ""]
-    if results.metric == "test_accuracy" and np.isfinite(base):
-        out += [f"Majority-class baseline (always predict the most frequent test label): {_fmt(base)}.", ""]
-    out += [f"Mean ± sample std over seeds; final = last evaluation, best = best evaluation over rounds. Tables: "
+    if results.baseline_applies and np.isfinite(base):
+        out += [f"Majority baseline (`{results.metric}` of always predicting the most frequent training label, "
+                f"the 5 most frequent tags, or the most frequent word, by task): {_fmt(base)}.", ""]
+    out += ["Mean ± sample std over seeds; final = last evaluation, best = best evaluation over rounds. Tables: "
             "`results/summary.csv` (this table), `results/grid.csv`, `results/runs.csv` (one row per run), "
             "`results/rounds.csv` (one row per run and round; `.parquet` beside each), `results/epsilon.csv` (epsilon "
             "per round under every accountant, from the selected runs' ledgers).", "",

@@ -56,6 +56,11 @@ class StudyResults:
     """run_id -> (ledger state as JSON, delta) of each finished run with a ledger."""
 
     @property
+    def baseline_applies(self) -> bool:
+        """Whether the runs' ``majority_baseline`` is of the headline metric (the task's own metric)."""
+        return self.metric == TASK_METRICS[self.manifest["runs"][0]["config"]["data"]["task"]]
+
+    @property
     def incomplete(self) -> list[str]:
         return self.runs.loc[~self.runs["finished"], "run_id"].tolist()
 
