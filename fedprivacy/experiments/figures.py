@@ -21,6 +21,12 @@ from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, epsilon_cu
 FORMATS = ("png", "svg")
 
 
+def _transforms():
+    from matplotlib import transforms
+
+    return transforms
+
+
 def _plt():
     import matplotlib
 
@@ -101,7 +107,9 @@ def budget_accountant(results: StudyResults) -> str:
 
 
 def final_vs_epsilon(results: StudyResults, folder: Path) -> list[Path]:
-    plt = _plt()
+    plt, transforms = _plt(), _transforms()
+    from matplotlib.ticker import NullFormatter
+
     s, metric, acct = results.summary, results.metric, budget_accountant(results)
     methods = _methods(results)
     colors = _colors(methods)
@@ -112,14 +120,28 @@ def final_vs_epsilon(results: StudyResults, folder: Path) -> list[Path]:
         sub = s[(s["method"] == method) & np.isfinite(s[f"epsilon_{acct}"])].sort_values(f"epsilon_{acct}")
         if not len(sub):
             continue
-        offset = 1 + 0.015 * (i - (len(methods) - 1) / 2)  # methods share each epsilon: spread them a little
-        ax.errorbar(sub[f"epsilon_{acct}"] * offset, sub[f"final_{metric}_mean"], yerr=sub[f"final_{metric}_std"],
-                    marker="o", capsize=3, label=method, color=colors[method])
+        # methods share each epsilon: draw them a few points apart on screen, at their exact epsilon
+        shift = transforms.offset_copy(ax.transData, fig=fig, x=4.0 * (i - (len(methods) - 1) / 2), units="points")
+        ax.errorbar(sub[f"epsilon_{acct}"], sub[f"final_{metric}_mean"], yerr=sub[f"final_{metric}_std"],
+                    marker="o", capsize=3, label=method, color=colors[method], transform=shift)
+    # artists drawn with an offset transform do not update the data limits: set them from the data
+    ys = pd.concat([s[f"final_{metric}_mean"] - s[f"final_{metric}_std"].fillna(0),
+                    s[f"final_{metric}_mean"] + s[f"final_{metric}_std"].fillna(0), s["majority_baseline"]
+                    if results.baseline_applies else pd.Series(dtype=float)]).replace([np.inf, -np.inf], np.nan).dropna()
+    if len(ys):
+        pad = 0.08 * max(ys.max() - ys.min(), 1e-3)
+        ax.set_ylim(ys.min() - pad, ys.max() + pad)
+    if len(eps_all):
+        ticks = sorted(set(np.round(eps_all.to_numpy(dtype=float), 2)))
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.set_xlim(min(ticks) / 1.5, max(ticks) * 1.5)
     base = s["majority_baseline"].mean()
     if results.baseline_applies and np.isfinite(base):
         ax.axhline(base, linestyle="--", color="gray", label="majority baseline")
     if spread > 5:
         ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set(xlabel=f"epsilon ({acct}, delta as in each run)", ylabel=f"final {metric}",
            title=f"{results.study.name}: final {metric} vs privacy (mean +- std over seeds)")
     ax.grid(alpha=0.3)
