@@ -1,19 +1,9 @@
-"""Study (c): next-word prediction (TFF's LSTM) at one budget.
+"""Study (c): next-word prediction with TFF's LSTM at epsilon 8, reduced scale (docs/STUDIES.md).
 
-Server optimizers compared at epsilon 8 on the synthetic users, at a reduced scale (docs/STUDIES.md).
-
-Runs ``fedprivacy compare configs/study_c_next_word.yaml`` end to end (data, runs, tables, figures and
-report.md under the study's output_dir); arguments are passed on (``--jobs``, ``--set``).
-Expected and measured results: docs/STUDIES.md.
-
-    python simulations/study_c_next_word.py [--jobs 2]
+    python simulations/study_c_next_word.py [--set seeds=[0]]
 """
 
-import sys
-from pathlib import Path
-
-from fedprivacy.cli import main
+from fedprivacy.experiments import run_study_script
 
 if __name__ == "__main__":
-    study = Path(__file__).resolve().parents[1] / "configs" / "study_c_next_word.yaml"
-    sys.exit(main(["compare", str(study), *sys.argv[1:]]))
+    run_study_script(__file__, "study_c_next_word.yaml")

@@ -21,16 +21,14 @@ under ``<output_dir>/runs/``.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fedprivacy.config import ConfigError, RunConfig, _apply_override, _format_validation_error, build_config
+from fedprivacy.config import ConfigError, RunConfig, build_config, read_yaml_mapping, validate_tree
 
 TASK_METRICS = {"tag": "test_accuracy", "tag_multilabel": "test_recall_at_5", "next_word": "test_accuracy"}
 """The headline metric of each ``data.task`` (a column of ``metrics.csv``)."""
@@ -249,24 +247,9 @@ def selection_rule(study: StudyConfig, metric: str) -> tuple[str, str, str]:
 
 def build_study(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "study") -> StudyConfig:
     """Validate a nested dict plus ``key=value`` overrides into a :class:`StudyConfig`."""
-    tree = json.loads(json.dumps(tree, default=str))
-    for assignment in overrides:
-        _apply_override(tree, assignment)
-    try:
-        return StudyConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source).replace("invalid configuration", "invalid study")) from None
+    return validate_tree(StudyConfig, tree, overrides, source, what="study")
 
 
 def load_study(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:
     """Read a study YAML file and apply overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"study file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"study file {path} is not valid YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"study file {path} must hold a mapping at the top level")
-    return build_study(tree, overrides, source=str(path))
+    return build_study(read_yaml_mapping(path, what="study"), overrides, source=str(path))
