@@ -472,7 +472,10 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {key!r}: {p!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key!r}: the value {raw!r} is not valid YAML ({err.problem})") from None
 
 
 def validate_tree(model: type[M], tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (),

@@ -115,6 +115,8 @@ def test_compare_cli_names_the_bad_study_field(tmp_path, capsys):
     assert "client.lr" in capsys.readouterr().err
     assert main(["compare", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+    assert main(["compare", str(path), "--set", "seeds=[0,"]) == 2
+    assert "'seeds'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("study_*.yaml"))
