@@ -32,6 +32,8 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -334,29 +336,35 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
     progress = SweepProgress(rounds, finished=result.skipped, enabled=show_progress)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     with _single_threaded_children():
-        pool = ctx.Pool(min(jobs, len(todo)), initializer=_init_worker, initargs=(events, os.getpid()))
+        pool = ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker,
+                                   initargs=(events, os.getpid()))
     try:
         with progress:
-            pending = {s.run_id: pool.apply_async(execute, (s.run_id, transferable(s.config))) for s in todo}
+            pending = {pool.submit(execute, s.run_id, transferable(s.config)): s.run_id for s in todo}
             while pending:
                 while not events.empty():
                     _, rid = events.get()
                     progress.started(rid, rounds_logged(run_dir(study, rid)))
-                for rid, res in list(pending.items()):
-                    if res.ready():
-                        outcome = res.get()
-                        del pending[rid]
-                        status = outcome["status"]
-                        if status == "failed":
-                            result.failed[rid] = outcome["error"]
-                        else:
-                            (result.done if status == "done" else result.skipped).append(rid)
-                        progress.finished(rid, status, outcome.get("summary"), outcome.get("error"))
+                done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                for future in done:
+                    rid = pending.pop(future)
+                    try:
+                        outcome = future.result()
+                    except BrokenProcessPool:  # a worker died (e.g. killed for memory): rerunning resumes
+                        outcome = {"run_id": rid, "status": "failed",
+                                   "error": "a worker process died (killed?); rerun the sweep to resume this run"}
+                    if outcome["status"] == "failed":
+                        result.failed[rid] = outcome["error"]
+                    else:
+                        (result.done if outcome["status"] == "done" else result.skipped).append(rid)
+                    progress.finished(rid, outcome["status"], outcome.get("summary"), outcome.get("error"))
                 progress.poll(lambda rid: rounds_logged(run_dir(study, rid)))
-                time.sleep(0.25)
-        pool.close()
+    except BaseException:  # Ctrl-C, SIGTERM: stop the running runs now (rerunning resumes them)
+        for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
+            if process.is_alive():
+                process.terminate()
+        raise
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
