@@ -124,6 +124,9 @@ def final_vs_epsilon(results: StudyResults, folder: Path) -> list[Path]:
         shift = transforms.offset_copy(ax.transData, fig=fig, x=4.0 * (i - (len(methods) - 1) / 2), units="points")
         ax.errorbar(sub[f"epsilon_{acct}"], sub[f"final_{metric}_mean"], yerr=sub[f"final_{metric}_std"],
                     marker="o", capsize=3, label=method, color=colors[method], transform=shift)
+    for _, row in s[~np.isfinite(s[f"epsilon_{acct}"])].iterrows():  # no-noise references: epsilon is infinite
+        ax.axhline(row[f"final_{metric}_mean"], linestyle=":", color=colors.get(row["method"], "black"),
+                   label=f"{row['method']}, {row['budget']} (epsilon = inf)")
     # artists drawn with an offset transform do not update the data limits: set them from the data
     ys = pd.concat([s[f"final_{metric}_mean"] - s[f"final_{metric}_std"].fillna(0),
                     s[f"final_{metric}_mean"] + s[f"final_{metric}_std"].fillna(0), s["majority_baseline"]

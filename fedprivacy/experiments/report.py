@@ -99,7 +99,10 @@ def _privacy_lines(results: StudyResults) -> list[str]:
     lines += [markdown_table(table), ""]
     for budget, cell in s.groupby("budget", sort=False):
         eps = cell[[f"epsilon_{k}" for k in ACCOUNTANTS]].to_numpy(dtype=float)
-        if np.allclose(eps, eps[0], rtol=1e-9, equal_nan=True):
+        if np.isinf(eps[:, 0]).all():
+            lines.append(f"- **{budget}**: no noise, so no privacy guarantee (epsilon = inf): a non-private reference "
+                         "for what the methods can learn in this setting.")
+        elif np.allclose(eps, eps[0], rtol=1e-9, equal_nan=True):
             lines.append(f"- **{budget}**: every method spent the same privacy ({acct} epsilon {_fmt(eps[0][0])}): they "
                          "ran the same mechanism (same noise multiplier, sampling and rounds). Server optimizers, "
                          "DiSK's filter and DP-MicroAdam's moments only post-process the released noisy average, and "
