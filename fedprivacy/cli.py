@@ -1,4 +1,4 @@
-"""Command line: ``fedprivacy run | epsilon | calibrate | audit | data generate | data stats``.
+"""Command line: ``fedprivacy run | compare | report | epsilon | calibrate | audit | data generate | data stats``.
 
 Errors a user can fix (bad config field, missing or corrupt data file, existing run folder)
 print one clear line naming the field or file and exit with status 2, without a traceback.
@@ -26,6 +26,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
     summary = run(cfg, resume=args.resume)
     print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from fedprivacy.experiments import compare, load_study
+    from fedprivacy.experiments.sweep import SweepBusyError
+
+    study = load_study(args.config, args.set)
+    try:
+        result, report = compare(study, args.jobs)
+    except SweepBusyError as err:
+        print(f"fedprivacy: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"fedprivacy: interrupted; rerun the same command to continue (finished runs are kept, "
+              f"interrupted ones resume from their checkpoints in {study.output_dir}/runs)", file=sys.stderr)
+        return 130
+    print(f"runs: {len(result.done)} run now, {len(result.skipped)} already finished, {len(result.failed)} failed")
+    for run_id, error in result.failed.items():
+        print(f"  FAILED {run_id}: {error}", file=sys.stderr)
+    print(f"report: {report}")
+    return 1 if result.failed else 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from fedprivacy.experiments import write_report
+
+    print(f"report: {write_report(args.run_dir)}")
     return 0
 
 
@@ -132,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set privacy.noise_multiplier=0 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("compare", help="run a study: methods x privacy budgets x seeds x hyperparameter grid, in "
+                                       "parallel and resumably; writes tables, figures and a report")
+    p.add_argument("config", help="study YAML (see configs/study_*.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a study field, e.g. --set seeds=[0] --set base.rounds=5 (repeatable)")
+    p.add_argument("--jobs", type=int, help="runs in parallel (default: the number of usable CPU cores)")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs")
+    p.add_argument("run_dir", help="the study's output folder (holds study.json)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("epsilon", help="epsilon of the (subsampled) Gaussian mechanism, as JSON")
     p.add_argument("--sampling", choices=["poisson", "fixed", "none"], required=True)

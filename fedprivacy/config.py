@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -469,32 +472,47 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {key!r}: {p!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key!r}: the value {raw!r} is not valid YAML ({err.problem})") from None
 
 
-def build_config(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "config") -> RunConfig:
-    """Validate a nested dict plus ``key=value`` overrides into a :class:`RunConfig`."""
+def validate_tree(model: type[M], tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (),
+                  source: str = "config", what: str = "configuration") -> M:
+    """Validate a nested dict plus ``key=value`` overrides into ``model`` (errors name the field)."""
     tree = json.loads(json.dumps(tree, default=str))  # deep copy, plain types
     for assignment in overrides:
         _apply_override(tree, assignment)
     try:
-        return RunConfig.model_validate(tree)
+        return model.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source).replace("invalid configuration", f"invalid {what}", 1)) \
+            from None
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """The mapping at the top of a YAML file (``ConfigError`` naming the file otherwise)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} file {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{what} file {path} must hold a mapping at the top level")
+    return tree
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "config") -> RunConfig:
+    """Validate a nested dict plus ``key=value`` overrides into a :class:`RunConfig`."""
+    return validate_tree(RunConfig, tree, overrides, source)
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML config file and apply overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return build_config(tree, overrides, source=str(path))
+    return build_config(read_yaml_mapping(path), overrides, source=str(path))
 
 
 def config_from_json(text: str) -> RunConfig:

@@ -1,0 +1,370 @@
+"""Run a study's runs in parallel worker processes, resumably.
+
+Layout of a study's ``output_dir``::
+
+    study.json          the study and every run's config (written before any run starts)
+    runs/<run_id>/      one ``fedprivacy run`` folder per run, plus run.log (its log),
+                        sweep_run.json (attempts and wall time) and error.txt (if it failed)
+    results/, figures/, report.md      written by :func:`fedprivacy.experiments.report.write_report`
+
+Resume: a run whose ``summary.json`` is complete is skipped; any other run is started with
+``run(cfg, resume=True)``, which continues from its ``checkpoint.pt`` (model, optimizer, sampler,
+noise generator and privacy ledger as they were) or starts fresh when there is none. Rerunning the
+same study therefore continues an interrupted sweep. A study whose runs' configs changed since
+``study.json`` was written is refused (:class:`StudyChangedError`); new runs (an extra seed, method
+or grid value) are added.
+
+Workers are ``spawn``-ed processes (no state shared with the parent; torch uses one thread each).
+Data are generated and the preprocessing cache is filled in the parent first, so workers never race
+to build them. A worker exits when its parent dies (checked every 0.5 s), and holds a lock on its
+run folder while it runs, so a restarted sweep never writes into a run an orphan still holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from fedprivacy.config import RunConfig, config_from_json
+from fedprivacy.experiments.progress import SweepProgress
+from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux/macOS: no locks, the rest works
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "study.json"
+RUN_RECORD = "sweep_run.json"
+ERROR_FILE = "error.txt"
+MANIFEST_VERSION = 1
+
+
+class StudyChangedError(ValueError):
+    """The study's output folder holds runs of a different configuration."""
+
+
+class SweepBusyError(RuntimeError):
+    """Another ``fedprivacy compare`` is running on the same output folder."""
+
+
+# -- run folders ------------------------------------------------------------------------------
+def run_dir(study: StudyConfig, run_id: str) -> Path:
+    return Path(study.output_dir) / "runs" / run_id
+
+
+def read_summary(folder: Path) -> dict[str, Any] | None:
+    """A run's ``summary.json`` if it is complete (``None`` if missing or cut short by a kill)."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and "rounds_completed" in summary else None
+
+
+def _read_record(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {"attempts": []}
+
+
+def _write_record(folder: Path, record: dict[str, Any]) -> None:
+    tmp = folder / (RUN_RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, folder / RUN_RECORD)
+
+
+def run_state(folder: Path) -> str:
+    """``finished``, ``partial`` (a checkpoint to resume from) or ``new``.
+
+    Finished means a complete ``summary.json`` and, for a run started by a sweep, that its last attempt
+    returned: a worker stopped after the summary was written but before ``run`` returned (it still
+    plots) is resumed, which at the last round only rewrites the final files.
+    """
+    record = _read_record(folder)
+    returned = not record["attempts"] or record["attempts"][-1].get("wall_seconds") is not None
+    if read_summary(folder) is not None and returned:
+        return "finished"
+    return "partial" if (folder / "checkpoint.pt").exists() else "new"
+
+
+def rounds_logged(folder: Path) -> int:
+    """Rows of the run's ``metrics.csv`` (its completed rounds), 0 if none yet."""
+    try:
+        with open(folder / "metrics.csv", "rb") as f:
+            return max(sum(1 for _ in f) - 1, 0)
+    except OSError:
+        return 0
+
+
+def checkpoint_round(folder: Path) -> int:
+    """The round the run's ``checkpoint.pt`` holds (0 without one): where a resume continues from."""
+    if not (folder / "checkpoint.pt").exists():
+        return 0
+    import torch
+
+    return int(torch.load(folder / "checkpoint.pt", weights_only=False, mmap=True, map_location="cpu")["round"])
+
+
+# -- manifest ---------------------------------------------------------------------------------
+def manifest(study: StudyConfig, specs: list[RunSpec]) -> dict[str, Any]:
+    return {"version": MANIFEST_VERSION, "study": study.model_dump(mode="json"),
+            "runs": [{"run_id": s.run_id, "method": s.method, "budget": s.budget, "seed": s.seed,
+                      "hparams": s.hparams, "config": json.loads(s.config.to_json()),
+                      "config_set": json.loads(transferable(s.config))} for s in specs]}
+
+
+def read_manifest(output_dir: Path) -> dict[str, Any]:
+    path = Path(output_dir) / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: not the output folder of a `fedprivacy compare` study") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if data.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{path}: unsupported manifest version {data.get('version')!r}")
+    return data
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _differences(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
+def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Refuse a study whose runs (same id) now have a different config than when they were started.
+
+    Raises:
+        StudyChangedError: names the first such run and the fields that changed.
+    """
+    before = {r["run_id"]: r["config"] for r in old["runs"]}
+    for run in new["runs"]:
+        if run["run_id"] in before and before[run["run_id"]] != run["config"]:
+            diff = _differences(before[run["run_id"]], run["config"])
+            raise StudyChangedError(
+                f"{old['study']['output_dir']} holds run {run['run_id']} with a different configuration "
+                f"({'; '.join(diff[:5])}); use another output_dir (--set output_dir=...) or restore the study")
+
+
+@contextmanager
+def _locked(path: Path, blocking: bool) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` for the duration (no-op without fcntl)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                f.seek(0)
+                raise SweepBusyError(f"another `fedprivacy compare` (pid {f.read().strip() or '?'}) is running on "
+                                     f"{path.parent}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+
+
+# -- worker process ---------------------------------------------------------------------------
+_events = None
+
+
+def transferable(cfg: RunConfig) -> str:
+    """``cfg`` as JSON that validates again in the worker: only the fields that were set (a full dump
+    marks every default as given, which the server section refuses for settings an optimizer does not
+    read, e.g. sgd's default momentum with adam)."""
+    return cfg.model_dump_json(exclude_unset=True)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:  # the sweep died (killed): stop, the restart resumes this run
+            os._exit(1)
+
+
+def _init_worker(events, parent: int) -> None:
+    global _events
+    _events = events
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _log_to(path: Path) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def execute(run_id: str, config_json: str) -> dict[str, Any]:
+    """Run (or resume, or skip if finished) one run of a sweep (``config_json`` from :func:`transferable`);
+    never raises."""
+    from fedprivacy.run import run
+
+    cfg: RunConfig = config_from_json(config_json)
+    folder = Path(cfg.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / ".lock", blocking=True):
+        if run_state(folder) == "finished":
+            return {"run_id": run_id, "status": "skipped"}
+        if _events is not None:
+            _events.put(("start", run_id))
+        _log_to(folder / "run.log")
+        (folder / ERROR_FILE).unlink(missing_ok=True)
+        record = _read_record(folder)
+        record["attempts"].append({"start_round": checkpoint_round(folder), "wall_seconds": None})
+        _write_record(folder, record)
+        t0 = time.perf_counter()
+        try:
+            summary = run(cfg, resume=True)
+        except BaseException as err:  # noqa: BLE001 - reported to the parent, which carries on
+            (folder / ERROR_FILE).write_text(traceback.format_exc())
+            logging.getLogger(__name__).exception("run %s failed", run_id)
+            return {"run_id": run_id, "status": "failed", "error": f"{type(err).__name__}: {err}"}
+        record["attempts"][-1]["wall_seconds"] = time.perf_counter() - t0
+        _write_record(folder, record)
+        return {"run_id": run_id, "status": "done", "summary": summary}
+
+
+# -- the sweep --------------------------------------------------------------------------------
+@dataclass
+class SweepResult:
+    """What a sweep did: runs skipped (already finished), run now, failed (id -> error)."""
+
+    skipped: list[str] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def default_jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+def prepare_data(specs: list[RunSpec]) -> None:
+    """Generate missing synthetic data and fill the preprocessing cache once, before any worker starts."""
+    from fedprivacy.task import ensure_data, load_task
+
+    seen: set[str] = set()
+    for spec in specs:
+        key = spec.config.data.model_dump_json()
+        if key not in seen:
+            seen.add(key)
+            ensure_data(spec.config.data)
+            load_task(spec.config.data)
+
+
+@contextmanager
+def _single_threaded_children() -> Iterator[None]:
+    """BLAS/OpenMP in spawned workers use one thread (torch's own count is set by each run)."""
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    saved = {n: os.environ.get(n) for n in names}
+    for n in names:
+        os.environ.setdefault(n, "1")
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def _terminate(signum, frame):  # SIGTERM: stop like Ctrl-C (workers stopped, folder resumable)
+    raise KeyboardInterrupt
+
+
+def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: bool | None = None) -> SweepResult:
+    """Run every unfinished run of ``study`` (resuming partial ones) with ``jobs`` worker processes.
+
+    Raises:
+        StudyChangedError: the output folder holds runs of a different configuration.
+        SweepBusyError: another sweep is running on the folder.
+        KeyboardInterrupt: interrupted (Ctrl-C or SIGTERM); workers are stopped, the folder resumes.
+    """
+    specs = expand(study)
+    out = Path(study.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out / ".sweep.lock", blocking=False):
+        new = manifest(study, specs)
+        if (out / MANIFEST).exists():
+            check_compatible(read_manifest(out), new)
+        (out / MANIFEST).write_text(json.dumps(new, indent=1))
+        result = SweepResult()
+        todo = [s for s in specs if run_state(run_dir(study, s.run_id)) != "finished"]
+        result.skipped = [s.run_id for s in specs if s not in todo]
+        if todo:
+            prepare_data(todo)
+            _run_parallel(study, specs, todo, jobs or default_jobs(), result, show_progress)
+        return result
+
+
+def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec], jobs: int, result: SweepResult,
+                  show_progress: bool | None) -> None:
+    ctx = get_context("spawn")
+    events = ctx.Queue()
+    rounds = {s.run_id: s.config.rounds for s in specs}
+    progress = SweepProgress(rounds, finished=result.skipped, enabled=show_progress)
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    with _single_threaded_children():
+        pool = ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker,
+                                   initargs=(events, os.getpid()))
+    try:
+        with progress:
+            pending = {pool.submit(execute, s.run_id, transferable(s.config)): s.run_id for s in todo}
+            while pending:
+                while not events.empty():
+                    _, rid = events.get()
+                    progress.started(rid, rounds_logged(run_dir(study, rid)))
+                done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                for future in done:
+                    rid = pending.pop(future)
+                    try:
+                        outcome = future.result()
+                    except BrokenProcessPool:  # a worker died (e.g. killed for memory): rerunning resumes
+                        outcome = {"run_id": rid, "status": "failed",
+                                   "error": "a worker process died (killed?); rerun the sweep to resume this run"}
+                    if outcome["status"] == "failed":
+                        result.failed[rid] = outcome["error"]
+                    else:
+                        (result.done if outcome["status"] == "done" else result.skipped).append(rid)
+                    progress.finished(rid, outcome["status"], outcome.get("summary"), outcome.get("error"))
+                progress.poll(lambda rid: rounds_logged(run_dir(study, rid)))
+    except BaseException:  # Ctrl-C, SIGTERM: stop the running runs now (rerunning resumes them)
+        for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
+            if process.is_alive():
+                process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

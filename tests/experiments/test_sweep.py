@@ -1,0 +1,108 @@
+"""Real sweeps on tiny data: parallel runs, resume, refusing a changed study, kill and restart."""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedprivacy.experiments import compare, load_study
+from fedprivacy.experiments.results import load_results, without_wall_time
+from fedprivacy.experiments.study import expand
+from fedprivacy.experiments.sweep import StudyChangedError, SweepBusyError, _locked, rounds_logged, run_state, run_sweep
+
+pytestmark = pytest.mark.slow
+
+
+def _tables(folder: Path) -> dict[str, pd.DataFrame]:
+    r = load_results(folder)
+    return {name: without_wall_time(getattr(r, name)).sort_values(
+        [c for c in ("run_id", "method", "budget", "hparams", "round") if c in getattr(r, name)]).reset_index(drop=True)
+        for name in ("rounds", "runs", "grid", "summary")}
+
+
+def test_sweep_runs_everything_then_skips_it_and_refuses_a_changed_study(tiny_study):
+    study = load_study(tiny_study())
+    result, report = compare(study, jobs=2, show_progress=False)
+    specs = expand(study)
+    assert sorted(result.done) == sorted(s.run_id for s in specs) and not result.failed
+    r = load_results(study.output_dir)
+    assert len(r.rounds) == 4 * len(specs) and r.runs["finished"].all()
+    assert set(r.summary["method"]) == {"DP-FedAvg", "DP-FedAdam"}
+    assert (r.summary["epsilon_rdp"] <= 8).all() and (r.summary["epsilon_rdp"] > 7.9).all()  # calibrated to eps 8
+    assert r.summary["epsilon_prv"].notna().all()  # from the ledger, though the runs tracked rdp and pld only
+    assert report.exists() and "DP-FedAdam" in report.read_text()
+
+    again = run_sweep(study, jobs=2, show_progress=False)  # a finished study: nothing runs again
+    assert sorted(again.skipped) == sorted(s.run_id for s in specs) and not again.done
+
+    changed = load_study(tiny_study(), ["methods.DP-FedAdam.set.server.lr=0.02"])
+    with pytest.raises(StudyChangedError, match=r"DP-FedAdam__eps8__default__s0.*server.lr: 0.01 -> 0.02"):
+        run_sweep(changed, jobs=1, show_progress=False)
+    extended = load_study(tiny_study(), ["seeds=[0,1,2]"])  # new runs are added, old ones kept
+    more = run_sweep(extended, jobs=2, show_progress=False)
+    assert len(more.done) == 3 and len(more.skipped) == len(specs)
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused(tiny_study):
+    study = load_study(tiny_study())
+    with _locked(Path(study.output_dir) / ".sweep.lock", blocking=False):
+        with pytest.raises(SweepBusyError, match=f"pid {os.getpid()}"):
+            run_sweep(study, jobs=1, show_progress=False)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedprivacy", "compare", *args]
+
+
+def test_killed_sweep_restarts_where_it_stopped_and_matches_an_uninterrupted_one(tiny_study, tmp_path):
+    path = tiny_study(base={**load_study(tiny_study()).base, "rounds": 12})
+    study = load_study(path)
+    runs = Path(study.output_dir) / "runs"
+    proc = subprocess.Popen(_cli(str(path), "--jobs", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline, states = time.time() + 240, {}
+    while time.time() < deadline and proc.poll() is None:
+        states = {s.run_id: run_state(runs / s.run_id) for s in expand(study)}
+        early = [r for r, s in states.items() if s == "partial" and rounds_logged(runs / r) <= 8]  # far from done
+        if "finished" in states.values() and early:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: the workers must notice and stop
+    proc.wait()
+    finished = sorted(r for r, s in states.items() if s == "finished")
+    partial = sorted(r for r, s in states.items() if s == "partial")
+    assert finished and partial
+    for rid in partial:  # the orphaned workers exit and release their runs
+        with open(runs / rid / ".lock", "a+") as f:
+            for _ in range(100):
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.1)
+            else:
+                pytest.fail(f"a worker of the killed sweep still holds {rid}")
+    stamps = {rid: (runs / rid / "summary.json").stat().st_mtime_ns for rid in finished}
+
+    done = subprocess.run(_cli(str(path), "--jobs", "2"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rid in finished:  # finished runs were not rerun
+        assert (runs / rid / "summary.json").stat().st_mtime_ns == stamps[rid]
+        assert len(json.loads((runs / rid / "sweep_run.json").read_text())["attempts"]) == 1
+    resumed = [json.loads((runs / rid / "sweep_run.json").read_text())["attempts"] for rid in partial]
+    assert any(len(a) == 2 and 0 < a[1]["start_round"] < 12 for a in resumed)  # continued from a checkpoint
+
+    fresh = tmp_path / "uninterrupted"
+    full = subprocess.run(_cli(str(path), "--jobs", "2", "--set", f"output_dir={fresh}"), capture_output=True,
+                          text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed, clean = _tables(Path(study.output_dir)), _tables(fresh)
+    for name in killed:
+        pd.testing.assert_frame_equal(killed[name], clean[name], check_exact=True, obj=name)
