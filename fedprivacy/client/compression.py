@@ -80,10 +80,12 @@ class Residual:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> Residual:
+        """Inverse of :meth:`to_arrays`. Values, codes and ranges are copied: a record's arrays are
+        read-only views, which torch cannot wrap without a warning (indices are widened, a copy anyway)."""
         if "values" in arrays:
             return cls(np.asarray(arrays["indices"]), values=np.array(arrays["values"], dtype=np.float32))
-        return cls(np.asarray(arrays["indices"]), codes=np.asarray(arrays["codes"]), mins=np.asarray(arrays["mins"]),
-                   scales=np.asarray(arrays["scales"]), bucket_size=int(arrays["bucket_size"][0]))
+        return cls(np.asarray(arrays["indices"]), codes=np.array(arrays["codes"]), mins=np.array(arrays["mins"]),
+                   scales=np.array(arrays["scales"]), bucket_size=int(arrays["bucket_size"][0]))
 
 
 @dataclass(frozen=True)
