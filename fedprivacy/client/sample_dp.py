@@ -50,12 +50,13 @@ from torch.utils.data import Dataset, TensorDataset
 
 from fedprivacy.optim.sample_dp import SampleDPConfig, SampleDPOptimizer, clip_factors, make_sample_dp_optimizer
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon
+from fedprivacy.privacy.noise import torch_seed
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _torch_generator(seq: np.random.SeedSequence) -> torch.Generator:
-    return torch.Generator().manual_seed(int(seq.generate_state(1, np.uint64)[0] >> 1))
+    return torch.Generator().manual_seed(torch_seed(seq))
 
 
 class MicroBatchUnits(Dataset):

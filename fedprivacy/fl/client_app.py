@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,12 +39,15 @@ from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
 from fedprivacy.optim.disk import disk_combination
 from fedprivacy.privacy.aggregation import SparseUpdate
-from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
 from fedprivacy.fl.records import arrays_to_record, load_record_, record_to_arrays, record_to_vector, update_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import node_side_information
 from fedprivacy.task import load_task
+
+if TYPE_CHECKING:
+    from fedprivacy.optim.sample_dp import SampleDPConfig
 
 SAMPLE_DP_STREAM = 0x73616D706C65  # "sample": a client's sample-level DP streams, per (run seed, round, client)
 COMPRESSION_STREAM = 0x636F6D70  # "comp": a client's stochastic rounding of its residual, per (run seed, round, client)
@@ -89,7 +93,7 @@ class _LastDecoded:
         return self._vector
 
 
-def sample_dp_config(s: SampleDPClientConfig):
+def sample_dp_config(s: SampleDPClientConfig) -> SampleDPConfig:
     """The optimizer hyperparameters of ``client.sample_dp`` (other settings: SampleDPConfig's defaults)."""
     from fedprivacy.optim.sample_dp import SampleDPConfig  # Opacus: imported only by clients that use it
 
@@ -178,7 +182,7 @@ def _compress_upload(update: SparseUpdate, context: Context, c: RunConfig, model
     generator = None
     if comp.quantization == "4bit_stochastic":
         seq = np.random.SeedSequence([c.seed, COMPRESSION_STREAM, server_round, partition])
-        generator = torch.Generator().manual_seed(int(seq.generate_state(1, np.uint64)[0] >> 1))
+        generator = torch.Generator().manual_seed(torch_seed(seq))
     out = compress(update, residual, density=comp.density, clip_norm=clip_norm, quantization=comp.quantization,
                    bucket_size=comp.bucket_size, generator=generator,
                    tensor_sizes=[p.numel() for p in model.parameters()] if comp.per_tensor else None)

@@ -148,7 +148,7 @@ def _record_parts(record: object, model: nn.Module) -> list[np.ndarray] | None:
 
 def model_to_record(model: nn.Module) -> ArrayRecord:
     """The broadcast: the model's parameters by name."""
-    return ArrayRecord({name: _array(p.detach().cpu().numpy()) for name, p in model.named_parameters()})
+    return arrays_to_record({name: p.detach().cpu().numpy() for name, p in model.named_parameters()})
 
 
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:

@@ -65,14 +65,6 @@ class SideInformation:
     tensors: dict[str, torch.Tensor]
     provenance: dict[str, Any] = field(default_factory=dict)
 
-    def per_parameter(self, model: nn.Module) -> list[torch.Tensor | None]:
-        """``A`` of each of ``model.parameters()`` in order (None where A = 1)."""
-        names = [name for name, _ in model.named_parameters()]
-        unknown = set(self.tensors) - set(names)
-        if unknown:
-            raise ValueError(f"side information for unknown parameters {sorted(unknown)}")
-        return [self.tensors.get(name) for name in names]
-
     def digest(self) -> str:
         """SHA-256 over the names, shapes and float32 bytes of A (recorded as its provenance)."""
         h = hashlib.sha256()

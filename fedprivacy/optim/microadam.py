@@ -43,6 +43,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fedprivacy.privacy.noise import torch_seed
+
 LEVELS = 15  # 2^b - 1 with b = 4 bits (Algorithm 2, Q and Q^-1)
 MICROADAM_STREAM = 0x6D6963726F  # "micro": keeps the rounding stream disjoint from other seeded stages
 _STATE_TENSORS = ("ring_indices", "ring_values", "error_codes", "error_mins", "error_scales")
@@ -270,8 +272,7 @@ class ServerMicroAdam:
         self.per_tensor_sizes = None if per_tensor_sizes is None else tuple(int(n) for n in per_tensor_sizes)
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
-        stream = np.random.SeedSequence([seed, MICROADAM_STREAM]).generate_state(1, np.uint64)[0]
-        self.generator.manual_seed(int(stream >> 1))
+        self.generator.manual_seed(torch_seed(np.random.SeedSequence([seed, MICROADAM_STREAM])))
         self.step = 0
         self.dim: int | None = None
         self.ring_indices: torch.Tensor | None = None

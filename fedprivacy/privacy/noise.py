@@ -24,6 +24,11 @@ import torch
 NOISE_STREAM = 0x6E6F697365  # "noise": keeps this stream disjoint from other seeded stages
 
 
+def torch_seed(seq: np.random.SeedSequence) -> int:
+    """A seed for ``torch.Generator.manual_seed`` from ``seq``: its first 64-bit word, shifted to 63 bits."""
+    return int(seq.generate_state(1, np.uint64)[0] >> 1)
+
+
 class GaussianNoise:
     """Dedicated generator for the server's Gaussian noise."""
 
@@ -37,8 +42,7 @@ class GaussianNoise:
         if secure:
             self._gen.manual_seed(secrets.randbits(63))
         else:
-            entropy = [seed, NOISE_STREAM, *stream]
-            self._gen.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1))
+            self._gen.manual_seed(torch_seed(np.random.SeedSequence([seed, NOISE_STREAM, *stream])))
         self._pending: tuple[Future, float, torch.Size, torch.dtype] | None = None
         self._worker: ThreadPoolExecutor | None = None
 
