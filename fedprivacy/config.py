@@ -254,8 +254,8 @@ class ServerConfig(_Section):
 
     optimizer: Literal["sgd", "adam", "yogi", "adagrad", "adambc", "microadam"] = "sgd"
     lr: float = Field(1.0, ge=0.0)
-    momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    """Heavy-ball momentum (sgd only)."""
+    momentum: float | None = Field(None, ge=0.0, lt=1.0)
+    """Heavy-ball momentum (sgd only; 0.9 when not given)."""
     beta1: float | None = Field(None, ge=0.0, lt=1.0)
     beta2: float | None = Field(None, ge=0.0, lt=1.0)
     tau: float | None = Field(None, gt=0.0)
@@ -268,11 +268,17 @@ class ServerConfig(_Section):
     disk: DiskConfig | None = None
     """Enable server-side DiSK filtering of the released pseudo-gradients."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sgd_momentum_default(cls, data: Any) -> Any:
+        """sgd's momentum defaults to 0.9; every other optimizer keeps it None (so a dump loads back)."""
+        if isinstance(data, dict) and data.get("optimizer", "sgd") == "sgd" and data.get("momentum") is None:
+            return {**data, "momentum": 0.9}
+        return data
+
     def explicit_settings(self) -> set[str]:
-        """The optimizer settings given explicitly (non-None, or set in the config)."""
-        return {k for k in _OPTIONAL_SERVER_SETTINGS
-                if (k in self.model_fields_set and getattr(self, k) is not None)
-                or (k != "momentum" and getattr(self, k) is not None)}
+        """The optimizer settings in effect (non-None): given, or sgd's default momentum."""
+        return {k for k in _OPTIONAL_SERVER_SETTINGS if getattr(self, k) is not None}
 
     @model_validator(mode="after")
     def _settings_apply(self) -> ServerConfig:

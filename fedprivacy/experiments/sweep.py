@@ -127,7 +127,7 @@ def manifest(study: StudyConfig, specs: list[RunSpec]) -> dict[str, Any]:
     return {"version": MANIFEST_VERSION, "study": study.model_dump(mode="json"),
             "runs": [{"run_id": s.run_id, "method": s.method, "budget": s.budget, "seed": s.seed,
                       "hparams": s.hparams, "config": json.loads(s.config.to_json()),
-                      "config_set": json.loads(transferable(s.config))} for s in specs]}
+                      "config_set": json.loads(s.config.model_dump_json(exclude_unset=True))} for s in specs]}
 
 
 def read_manifest(output_dir: Path) -> dict[str, Any]:
@@ -190,13 +190,6 @@ def _locked(path: Path, blocking: bool) -> Iterator[None]:
 _events = None
 
 
-def transferable(cfg: RunConfig) -> str:
-    """``cfg`` as JSON that validates again in the worker: only the fields that were set (a full dump
-    marks every default as given, which the server section refuses for settings an optimizer does not
-    read, e.g. sgd's default momentum with adam)."""
-    return cfg.model_dump_json(exclude_unset=True)
-
-
 def _watch_parent(parent: int) -> None:
     while True:
         time.sleep(0.5)
@@ -223,7 +216,7 @@ def _log_to(path: Path) -> None:
 
 
 def execute(run_id: str, config_json: str) -> dict[str, Any]:
-    """Run (or resume, or skip if finished) one run of a sweep (``config_json`` from :func:`transferable`);
+    """Run (or resume, or skip if finished) one run of a sweep (``config_json``: ``RunConfig.to_json()``);
     never raises."""
     from fedprivacy.run import run
 
@@ -340,7 +333,7 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
                                    initargs=(events, os.getpid()))
     try:
         with progress:
-            pending = {pool.submit(execute, s.run_id, transferable(s.config)): s.run_id for s in todo}
+            pending = {pool.submit(execute, s.run_id, s.config.to_json()): s.run_id for s in todo}
             while pending:
                 while not events.empty():
                     _, rid = events.get()

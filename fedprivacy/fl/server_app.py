@@ -88,8 +88,6 @@ def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> 
     """The configured server optimizer; DP-FedAdamBC's Phi is derived from the mechanism's noise."""
     s, p = cfg.server, cfg.privacy
     settings = {k: getattr(s, k) for k in s.explicit_settings()}
-    if s.optimizer == "sgd":
-        settings["momentum"] = s.momentum
     if s.optimizer == "adambc":
         # Phi: the per-coordinate noise variance in g_t, (z C / M)^2 with M the (emulated) cohort
         # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m). With

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fedprivacy.config import ConfigError
+from fedprivacy.config import ConfigError, config_from_json
 from fedprivacy.run import run
 
 VARIANTS = {
@@ -57,3 +57,13 @@ def test_settings_an_optimizer_does_not_read_are_refused(small_config):
         small_config("server.optimizer=adam", "server.momentum=0.5")
     with pytest.raises(ConfigError, match="microadam"):
         small_config("server.microadam={density: 0.1}")
+
+
+@pytest.mark.parametrize("name", ["sgd", *VARIANTS])
+def test_a_written_config_loads_back_for_every_server_optimizer(small_config, name):
+    """``config.yaml``, checkpoints, sweeps and deployments rebuild a run from ``to_json()``: it must
+    validate again (sgd keeps its default momentum 0.9; the others have none to refuse)."""
+    cfg = small_config(*VARIANTS.get(name, ()))
+    again = config_from_json(cfg.to_json())
+    assert again == cfg
+    assert again.server.momentum == (0.9 if name == "sgd" else None)
