@@ -19,7 +19,7 @@ import yaml
 
 from fedprivacy.experiments.figures import budget_accountant, selected_epsilon_curves, write_figures
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, load_results, write_tables
-from fedprivacy.experiments.study import nested
+from fedprivacy.experiments.study import flat, nested
 
 REPORT = "report.md"
 VARYING = ("seed", "output_dir")
@@ -44,13 +44,6 @@ def markdown_table(df: pd.DataFrame) -> str:
     rule = "|" + "---|" * len(df.columns)
     body = ["| " + " | ".join(_fmt(v).replace("|", "\\|") for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body])
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def _resolved(results: StudyResults, run_id: str) -> dict[str, Any]:
@@ -154,8 +147,8 @@ def _summary_table(results: StudyResults) -> pd.DataFrame:
 
 def _config_lines(results: StudyResults) -> list[str]:
     ids = _selected_run_ids(results)
-    resolved = {key: _flat(_resolved(results, rid)) for key, rid in ids.items()}
-    given = {r["run_id"]: _flat(r.get("config_set", r["config"])) for r in results.manifest["runs"]}
+    resolved = {key: flat(_resolved(results, rid)) for key, rid in ids.items()}
+    given = {r["run_id"]: flat(r.get("config_set", r["config"])) for r in results.manifest["runs"]}
     first = next(iter(resolved.values()))
     shared = {k: v for k, v in first.items()
               if k not in VARYING and all(f.get(k, "<unset>") == v for f in resolved.values())}

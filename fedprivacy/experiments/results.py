@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedprivacy.experiments.study import TASK_METRICS, StudyConfig, build_study, selection_rule
+from fedprivacy.experiments.study import (TASK_METRICS, StudyConfig, better, build_study, hparams_label,
+                                          selection_rule, study_metric)
 from fedprivacy.experiments.sweep import ERROR_FILE, RUN_RECORD, read_manifest, read_summary, run_state
 
 ACCOUNTANTS = ("rdp", "prv", "pld")
@@ -86,22 +87,23 @@ def run_ledger(folder: Path) -> dict[str, Any] | None:
         return None
     import torch
 
-    state = torch.load(folder / "checkpoint.pt", weights_only=False, map_location="cpu")["ledger"]
+    state = torch.load(folder / "checkpoint.pt", weights_only=False, mmap=True, map_location="cpu")["ledger"]
     path.write_text(json.dumps(state))
     return state
 
 
 @functools.lru_cache(maxsize=1024)
-def _epsilons(ledger_json: str, delta: float, rounds: int | None = None) -> dict[str, float]:
-    """Epsilon under every accountant after the ledger's first ``rounds`` rounds (all: ``None``)."""
+def _epsilons(ledger_json: str, delta: float, rounds: int) -> dict[str, float]:
+    """Epsilon under every accountant after the ledger's first ``rounds`` rounds (cached: the final
+    value of a run and the last point of its curve are one computation)."""
     from fedprivacy.privacy.accounting import PrivacyLedger, epsilons
 
     entries, left = [], rounds
     for rnd, count in PrivacyLedger.from_state_dict(json.loads(ledger_json)).entries:
-        take = count if left is None else min(count, left)
-        if take:
+        take = min(count, left)
+        if take > 0:
             entries.append((rnd, take))
-        left = None if left is None else left - take
+        left -= take
     return {k: (math.nan if v is None else float(v)) for k, v in epsilons(entries, delta, ACCOUNTANTS).items()}
 
 
@@ -135,10 +137,6 @@ def _best(series: pd.Series, mode: str) -> float:
     return float(values.max() if mode == "max" else values.min())
 
 
-def _mode_of(metric: str) -> str:
-    return "min" if metric.endswith("loss") else "max"
-
-
 def _wall_seconds(folder: Path) -> float:
     try:
         attempts = json.loads((folder / RUN_RECORD).read_text())["attempts"]
@@ -153,7 +151,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
     output_dir = Path(output_dir)
     man = read_manifest(output_dir)
     study = build_study(man["study"], source=str(output_dir / "study.json"))
-    metric = study.metric or TASK_METRICS[man["runs"][0]["config"]["data"]["task"]]
+    metric = study_metric(study, man["runs"][0]["config"]["data"]["task"])
     sel_metric, mode, at = selection_rule(study, metric)
     budget_eps = {b.name: (b.epsilon if b.epsilon is not None else math.nan) for b in study.budgets}
     hp_keys = list(dict.fromkeys(k for r in man["runs"] for k in r["hparams"]))
@@ -163,7 +161,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
         folder = output_dir / "runs" / r["run_id"]
         ident = {"run_id": r["run_id"], "method": r["method"], "budget": r["budget"],
                  "budget_epsilon": budget_eps.get(r["budget"], math.nan), "seed": r["seed"],
-                 "hparams": ", ".join(f"{k}={v}" for k, v in r["hparams"].items()) or "-"}
+                 "hparams": hparams_label(r["hparams"])}
         summary = read_summary(folder) if run_state(folder) == "finished" else None
         metrics = pd.read_csv(folder / "metrics.csv") if (folder / "metrics.csv").exists() else pd.DataFrame()
         row: dict[str, Any] = {**ident, **{f"hp.{k}": r["hparams"].get(k) for k in hp_keys},
@@ -177,7 +175,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
                    majority_baseline=summary.get("majority_baseline_accuracy") if summary else math.nan)
         col = metrics.get(metric, pd.Series(dtype=float))
         row[f"final_{metric}"] = _final(col)
-        row[f"best_{metric}"] = _best(col, _mode_of(metric))
+        row[f"best_{metric}"] = _best(col, better(metric))
         row["final_test_loss"] = _final(metrics.get("test_loss", pd.Series(dtype=float)))
         sel = metrics.get(sel_metric, pd.Series(dtype=float))
         row["selection_score"] = _final(sel) if at == "final" else _best(sel, mode)
@@ -185,8 +183,8 @@ def load_results(output_dir: str | Path) -> StudyResults:
         if summary is not None:
             ledger = run_ledger(folder)
             if ledger is not None:
-                ledgers[r["run_id"]] = (json.dumps(ledger, sort_keys=True), float(summary["delta"]))
-                eps = _epsilons(*ledgers[r["run_id"]])
+                ledgers[r["run_id"]] = ledger_json, delta = json.dumps(ledger, sort_keys=True), float(summary["delta"])
+                eps = _epsilons(ledger_json, delta, _ledger_rounds(ledger_json))
             else:  # no checkpoint: the per-round columns the run tracked
                 eps = {k: float(summary.get(f"epsilon_{k}", math.nan)) for k in ACCOUNTANTS}
         row.update({f"epsilon_{k}": v for k, v in eps.items()})

@@ -157,7 +157,12 @@ class RunSpec:
 
     @property
     def hparams_label(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.hparams.items()) or "-"
+        return hparams_label(self.hparams)
+
+
+def hparams_label(hparams: dict[str, Any]) -> str:
+    """A grid point as text (``server.lr=0.1, client.lr=3``; ``-`` for none)."""
+    return ", ".join(f"{k}={v}" for k, v in hparams.items()) or "-"
 
 
 def _slug(text: str) -> str:
@@ -185,11 +190,12 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flat_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
-    keys: set[str] = set()
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The inverse of :func:`nested`: nested mappings as one mapping with dotted keys."""
+    out: dict[str, Any] = {}
     for k, v in tree.items():
-        keys |= _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
-    return keys
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def run_id(method: str, budget: str, hparams: dict[str, Any], seed: int) -> str:
@@ -208,7 +214,7 @@ def expand(study: StudyConfig) -> list[RunSpec]:
     base = nested(study.base)
     for method, spec in study.methods.items():
         overrides = nested(spec.set)
-        touched = sorted((_flat_keys(overrides) | set(spec.grid)) & set(BUDGET_FIELDS))
+        touched = sorted((set(flat(overrides)) | set(spec.grid)) & set(BUDGET_FIELDS))
         if touched:
             raise ConfigError(f"methods.{method}: {', '.join(touched)} is set by the study's budgets "
                               "(every method at one budget runs the same mechanism)")
@@ -233,16 +239,20 @@ def expand(study: StudyConfig) -> list[RunSpec]:
     return specs
 
 
-def study_metric(study: StudyConfig, specs: list[RunSpec]) -> str:
-    """The study's headline metric: ``metric`` or the task's (:data:`TASK_METRICS`)."""
-    return study.metric or TASK_METRICS[specs[0].config.data.task]
+def study_metric(study: StudyConfig, task: str) -> str:
+    """The study's headline metric: ``metric`` or that of its ``data.task`` (:data:`TASK_METRICS`)."""
+    return study.metric or TASK_METRICS[task]
+
+
+def better(metric: str) -> str:
+    """Which way ``metric`` improves: ``min`` for a loss, else ``max``."""
+    return "min" if metric.endswith("loss") else "max"
 
 
 def selection_rule(study: StudyConfig, metric: str) -> tuple[str, str, str]:
     """``(metric, mode, at)`` of the grid selection with the defaults filled in."""
     sel_metric = study.selection.metric or metric
-    mode = study.selection.mode or ("min" if sel_metric.endswith("loss") else "max")
-    return sel_metric, mode, study.selection.at
+    return sel_metric, study.selection.mode or better(sel_metric), study.selection.at
 
 
 def build_study(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "study") -> StudyConfig:

@@ -313,8 +313,12 @@ def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: boo
             check_compatible(read_manifest(out), new)
         (out / MANIFEST).write_text(json.dumps(new, indent=1))
         result = SweepResult()
-        todo = [s for s in specs if run_state(run_dir(study, s.run_id)) != "finished"]
-        result.skipped = [s.run_id for s in specs if s not in todo]
+        todo = []
+        for s in specs:
+            if run_state(run_dir(study, s.run_id)) == "finished":
+                result.skipped.append(s.run_id)
+            else:
+                todo.append(s)
         if todo:
             prepare_data(todo)
             _run_parallel(study, specs, todo, jobs or default_jobs(), result, show_progress)

@@ -58,9 +58,9 @@ def test_run_ids_are_readable_and_safe_as_folder_names():
 
 def test_metric_and_selection_defaults_follow_the_task():
     study = _study()
-    assert study_metric(study, expand(study)) == "test_accuracy"
+    assert study_metric(study, expand(study)[0].config.data.task) == "test_accuracy"
     multilabel = _study(base={"data": {"task": "tag_multilabel"}})
-    assert study_metric(multilabel, expand(multilabel)) == "test_recall_at_5"
+    assert study_metric(multilabel, expand(multilabel)[0].config.data.task) == "test_recall_at_5"
     assert selection_rule(study, "test_accuracy") == ("test_accuracy", "max", "final")
     loss = _study(selection={"metric": "train_loss"})
     assert selection_rule(loss, "test_accuracy") == ("train_loss", "min", "final")
