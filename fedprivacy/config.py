@@ -409,6 +409,10 @@ class RunConfig(_Section):
     num_threads: int | None = Field(1, ge=1)
     """torch intra-op threads in this process (``None``: torch's default). Per-client work is
     small sparse ops, which threads slow down more than they help (see BENCHMARKS.md)."""
+    processes: int = Field(1, ge=1)
+    """In-process engine: processes that run ClientApps, this one and ``processes - 1`` forked
+    workers (:mod:`fedprivacy.engines.processes`); results are bit-identical for any number. Use
+    the machine's cores (e.g. 2 on 2 cores); ``device: cpu`` only (CUDA does not survive a fork)."""
     output_dir: Path = Path("runs/quickstart")
     checkpoint_every: int = Field(1, ge=1)
     round_timeout_s: float | None = Field(None, gt=0.0)
@@ -420,6 +424,16 @@ class RunConfig(_Section):
     server: ServerConfig = ServerConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _processes_fit_the_engine(self) -> RunConfig:
+        if self.processes > 1 and self.engine != "inprocess":
+            raise ValueError(f"processes={self.processes} applies to engine 'inprocess' only (engine {self.engine!r} "
+                             "places clients itself: see ray.num_cpus)")
+        if self.processes > 1 and self.device != "cpu":
+            raise ValueError(f"processes={self.processes} needs device 'cpu' (got {self.device!r}): worker processes "
+                             "are forked and CUDA cannot be used after a fork; use processes: 1 on a GPU")
+        return self
 
     @model_validator(mode="after")
     def _client_methods_fit_the_run(self) -> RunConfig:

@@ -28,7 +28,7 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     task = load_task(cfg.data)
     server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
     if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
-        run_inprocess(server_app, client_app, task.population, prefetch=task.prefetch)
+        run_inprocess(server_app, client_app, task.population, prefetch=task.prefetch, processes=cfg.processes)
     else:
         from fedprivacy.engines.ray import run_ray
 

@@ -25,6 +25,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedprivacy.engines.processes import ProcessPool
+
 log = logging.getLogger(__name__)
 
 SERVER_NODE_ID = 1
@@ -35,16 +37,31 @@ class InProcessGrid(Grid):
     """``num_nodes`` virtual SuperNodes with ``partition-id`` 0..num_nodes-1 and node id ``partition + 2``."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
-                 prefetch: Callable[[list[int]], None] | None = None) -> None:
+                 prefetch: Callable[[list[int]], None] | None = None, processes: int = 1) -> None:
         """``prefetch(partitions)``, if given, is called with the partitions a batch of ``train``
         messages is addressed to when the batch is pushed, before any of them runs (the task's
-        read-ahead of those clients' data: :meth:`fedprivacy.task.TagPredictionTask.prefetch`)."""
+        read-ahead of those clients' data: :meth:`fedprivacy.task.TagPredictionTask.prefetch`).
+        ``processes > 1`` forks ``processes - 1`` workers now (:mod:`.processes`) that run
+        ClientApps alongside this process; :meth:`close` stops them."""
         self.client_app = client_app
         self.num_nodes = num_nodes
         self.prefetch = prefetch
         self._run = Run.create_empty(run_id=run_id)
-        self._contexts: dict[int, Context] = {}
+        self._states: dict[int, RecordDict] = {}
         self._pending: dict[str, Message] = {}
+        self._pool = ProcessPool(self._run_client, processes) if processes > 1 else None
+
+    def close(self) -> None:
+        """Stop the worker processes, if any."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> InProcessGrid:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- Grid API ---------------------------------------------------------------------------
     def set_run(self, run: Run) -> None:
@@ -75,62 +92,82 @@ class InProcessGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Run the ClientApps of the queued messages named and return their replies."""
+        """Run the ClientApps of the queued messages named (in this process) and return their replies."""
         return [self._deliver(self._pending.pop(i)) for i in list(message_ids) if i in self._pending]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
-        """Deliver each message to its node's ClientApp and yield the reply (lazily, in order)."""
-        for message_id in self.push_messages(messages):
-            yield from self.pull_messages([message_id])
+        """Deliver each message to its node's ClientApp and yield the reply (lazily, in order).
+
+        With worker processes, the batch's ClientApps run on all processes at once and the
+        replies are still yielded in message order."""
+        ids = list(self.push_messages(messages))
+        if self._pool is None:
+            for message_id in ids:
+                yield from self.pull_messages([message_id])
+            return
+        batch = [self._pending.pop(i) for i in ids]
+        nodes = [m.metadata.dst_node_id for m in batch]
+        states = {n: self._states[n] for n in nodes if n in self._states}
+        for (reply, state), node in zip(self._pool.run(batch, states), nodes):  # the pool's iterator runs to its end
+            self._keep_state(node, state)
+            yield reply
 
     # -- node state (kept with the server's checkpoint) ----------------------------------------
     def node_state_dict(self) -> dict[int, RecordDict]:
         """Each node's ``Context.state`` that is not empty (e.g. uplink residuals, AdaDPS's ``A``)."""
-        return {node_id: context.state for node_id, context in self._contexts.items()}
+        return dict(self._states)
 
     def load_node_state_dict(self, states: dict[int, RecordDict]) -> None:
         """Restore :meth:`node_state_dict` (a resumed run's nodes continue with their state, as SuperNodes would)."""
         for node_id, state in states.items():
-            context = self._context(node_id)
-            context.state = state
-            self._contexts[node_id] = context
+            self._check_node(node_id)
+            self._keep_state(node_id, state)
 
     # -- delivery ---------------------------------------------------------------------------
-    def _context(self, node_id: int) -> Context:
-        """The node's kept ``Context``, or a fresh one (empty state) if it has none."""
-        if node_id in self._contexts:
-            return self._contexts[node_id]
-        partition = node_id - 2
-        if not 0 <= partition < self.num_nodes:
+    def _check_node(self, node_id: int) -> None:
+        if not 0 <= node_id - 2 < self.num_nodes:
             raise ValueError(f"no node with id {node_id}")
-        return Context(run_id=self._run.run_id, node_id=node_id,
-                       node_config={"partition-id": partition, "num-partitions": self.num_nodes},
-                       state=RecordDict(), run_config=dict(self._run.override_config))
 
-    def _deliver(self, msg: Message) -> Message:
-        """Run the destination's ClientApp. Its ``Context`` is kept once its state is non-empty: a
-        node whose state is still empty is indistinguishable from a fresh one, so a population of
-        hundreds of thousands of nodes costs memory only for the nodes that store something."""
+    def _keep_state(self, node_id: int, state: RecordDict) -> None:
+        """Keep a node's state once it is non-empty: a node whose state is still empty is
+        indistinguishable from a fresh one, so a population of hundreds of thousands of nodes
+        costs memory only for the nodes that store something."""
+        if len(state) or node_id in self._states:
+            self._states[node_id] = state
+
+    def _run_client(self, msg: Message, state: RecordDict) -> tuple[Message, RecordDict]:
+        """Run the destination's ClientApp on a ``Context`` holding ``state``; return the reply and
+        the state it leaves (in whichever process runs it)."""
         node_id = msg.metadata.dst_node_id
+        context = None
         try:
-            context = self._context(node_id)
-            reply = self.client_app(msg, context)
+            self._check_node(node_id)
+            context = Context(run_id=self._run.run_id, node_id=node_id,
+                              node_config={"partition-id": node_id - 2, "num-partitions": self.num_nodes},
+                              state=state, run_config=dict(self._run.override_config))
+            return self.client_app(msg, context), context.state
         except Exception as exc:  # a failing client is a dropout, never a crashed run
             log.warning("ClientApp on node %s raised %s", node_id, exc)
             return Message(Error(code=CLIENT_APP_EXCEPTION, reason="".join(traceback.format_exception_only(exc)).strip()),
-                           reply_to=msg)
-        if len(context.state):
-            self._contexts[node_id] = context
+                           reply_to=msg), state if context is None else context.state
+
+    def _deliver(self, msg: Message) -> Message:
+        """Run the destination's ClientApp here and keep the state it leaves."""
+        node_id = msg.metadata.dst_node_id
+        reply, state = self._run_client(msg, self._states.get(node_id, RecordDict()))
+        self._keep_state(node_id, state)
         return reply
 
 
 def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int,
-                  prefetch: Callable[[list[int]], None] | None = None) -> None:
-    """Run ``server_app`` against ``num_nodes`` in-process SuperNodes running ``client_app``."""
-    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch)
+                  prefetch: Callable[[list[int]], None] | None = None, processes: int = 1) -> None:
+    """Run ``server_app`` against ``num_nodes`` in-process SuperNodes running ``client_app`` on
+    ``processes`` processes (this one and ``processes - 1`` forked workers)."""
+    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch, processes=processes)
     TaskIdentity.run_id = grid.run.run_id
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = SERVER_NODE_ID
     context = Context(run_id=grid.run.run_id, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
                       run_config={})
-    server_app(grid, context)
+    with grid:
+        server_app(grid, context)

@@ -42,9 +42,9 @@ def test_nodes_with_empty_state_are_not_kept():
     grid = InProcessGrid(_counting_app(), num_nodes=1000)
     for node in grid.get_node_ids():
         assert _send(grid, node, "query").content["node"]["partition-id"] == node - 2
-    assert grid._contexts == {}  # discovery of every node holds no per-node memory
+    assert grid._states == {}  # discovery of every node holds no per-node memory
     _send(grid, 7, "train")
-    assert list(grid._contexts) == [7]
+    assert list(grid._states) == [7]
 
 
 def test_prefetch_sees_the_whole_cohort_before_any_client_runs():

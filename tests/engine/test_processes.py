@@ -1,0 +1,147 @@
+"""Worker processes for the in-process engine (``processes > 1``): the same replies in the same
+order as one process, so the same model bit for bit; node state kept with the grid; a worker that
+dies is a dropout, never a crashed or hung run."""
+
+import os
+
+import pandas as pd
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedprivacy.config import ConfigError, build_config
+from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
+from fedprivacy.engines.processes import WORKER_DIED
+from fedprivacy.fl.client_app import build_client_app
+from fedprivacy.fl.server_app import build_server_app
+from fedprivacy.run import run
+from fedprivacy.task import load_task
+
+
+def _identity() -> None:
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+
+
+def _echo_app() -> ClientApp:
+    """Replies with its node, the pid that ran it and how often this node ran (kept in its state);
+    raises for node 5."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        if msg.metadata.dst_node_id == 5:
+            raise RuntimeError("node 5 always fails")
+        seen = int(context.state["count"]["n"]) + 1 if "count" in context.state else 1
+        context.state["count"] = ConfigRecord({"n": seen})
+        return Message(RecordDict({"r": ConfigRecord({"node": msg.metadata.dst_node_id, "pid": os.getpid(),
+                                                       "seen": seen})}), reply_to=msg)
+
+    return app
+
+
+def _batch(nodes) -> list[Message]:
+    return [Message(RecordDict(), dst_node_id=n, message_type="train") for n in nodes]
+
+
+def test_replies_come_in_message_order_from_both_processes_and_state_stays_with_the_grid():
+    _identity()
+    with InProcessGrid(_echo_app(), num_nodes=40, processes=2) as grid:
+        nodes = list(range(2, 42))
+        for round_ in (1, 2, 3):
+            replies = list(grid.send_and_receive(_batch(nodes)))
+            assert [r.metadata.src_node_id for r in replies] == nodes
+            ok = [r for r in replies if not r.has_error()]
+            assert [r.content["r"]["seen"] for r in ok] == [round_] * 39  # state carried wherever it ran
+            assert replies[3].has_error() and "node 5 always fails" in replies[3].error.reason
+        assert len({r.content["r"]["pid"] for r in ok}) == 2  # both processes ran clients
+        assert sorted(grid.node_state_dict()) == [n for n in nodes if n != 5]
+        assert grid._pool.workers_alive == 1
+    assert grid._pool is None
+
+
+def test_an_abandoned_batch_leaves_the_pool_usable():
+    _identity()
+    with InProcessGrid(_echo_app(), num_nodes=60, processes=2) as grid:
+        for _ in range(3):  # more abandoned batches than the window has slots
+            it = grid.send_and_receive(_batch(range(10, 60)))
+            assert next(it).metadata.src_node_id == 10
+            it.close()
+        replies = list(grid.send_and_receive(_batch(range(10, 60))))
+        assert [r.metadata.src_node_id for r in replies] == list(range(10, 60))
+
+
+def test_a_worker_that_dies_is_one_dropout_and_the_rest_run_here():
+    _identity()
+    parent = os.getpid()
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        if os.getpid() != parent:
+            os._exit(3)  # the worker process is killed while running this client
+        return Message(RecordDict({"r": ConfigRecord({"node": msg.metadata.dst_node_id})}), reply_to=msg)
+
+    with InProcessGrid(app, num_nodes=30, processes=2) as grid:
+        replies = list(grid.send_and_receive(_batch(range(2, 32))))
+        assert [r.metadata.src_node_id for r in replies] == list(range(2, 32))
+        failed = [r for r in replies if r.has_error()]
+        assert len(failed) == 1 and failed[0].error.code == WORKER_DIED
+        assert grid._pool.workers_alive == 0
+        assert not any(r.has_error() for r in grid.send_and_receive(_batch(range(2, 32))))
+
+
+def _final(cfg) -> torch.Tensor:
+    state = torch.load(cfg.output_dir / "final_model.pt")
+    return torch.cat([state[k].reshape(-1) for k in sorted(state)])
+
+
+def _metrics(cfg) -> pd.DataFrame:
+    return pd.read_csv(cfg.output_dir / "metrics.csv").drop(columns="seconds")
+
+
+@pytest.mark.parametrize("options", [
+    (),
+    ("client.compression={density: 0.02, quantization: 4bit_stochastic, bucket_size: 1000}",),  # node state
+], ids=["dp-fedavg", "compressed-uploads-with-residuals"])
+def test_two_processes_train_the_bit_identical_model(small_config, tmp_path, options):
+    one = small_config("rounds=3", *options, f"output_dir={tmp_path / 'one'}")
+    two = small_config("rounds=3", *options, "processes=2", f"output_dir={tmp_path / 'two'}")
+    run(one)
+    run(two)
+    assert torch.equal(_final(one), _final(two))
+    pd.testing.assert_frame_equal(_metrics(one), _metrics(two))
+    ck_one, ck_two = (torch.load(c.output_dir / "checkpoint.pt", weights_only=False) for c in (one, two))
+    assert sorted(ck_one["node_states"]) == sorted(ck_two["node_states"])  # residuals kept with the grid
+    if options:
+        assert ck_one["node_states"]
+
+
+def test_a_dead_worker_in_a_run_is_a_dropout_with_unchanged_accounting(small_config, tmp_path):
+    cfg = small_config("rounds=3", "privacy.sampling=fixed", "privacy.accountants=[rdp]", "processes=2", f"output_dir={tmp_path / 'two'}")
+    ref = small_config("rounds=3", "privacy.sampling=fixed", "privacy.accountants=[rdp]", f"output_dir={tmp_path / 'one'}")
+    parent = os.getpid()
+
+    def die_in_worker(msg, context, call_next):
+        if os.getpid() != parent and msg.metadata.message_type == "train":
+            os._exit(3)
+        return call_next(msg, context)
+
+    run_inprocess(build_server_app(cfg), build_client_app(cfg, mods=[die_in_worker]), load_task(cfg.data).population,
+                  processes=2)
+    run(ref)
+    got, want = _metrics(cfg), _metrics(ref)
+    assert got["cohort_accepted"].tolist() == [want["cohort_accepted"][0] - 1, *want["cohort_accepted"][1:]]
+    pd.testing.assert_series_equal(got["epsilon_rdp"], want["epsilon_rdp"])  # dropouts change no accounting
+    assert (got["server_noise_std"] == want["server_noise_std"]).all()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["processes=2", "engine=ray"], "processes"),
+    (["processes=2", "device=cuda"], "processes"),
+    (["processes=0"], "processes"),
+])
+def test_processes_that_cannot_work_are_refused_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        build_config({}, overrides)
