@@ -19,7 +19,12 @@ Measured, with the goals checked (exit status 1 if one is missed):
    within 1.5x of each other ("roughly constant").
 
     python benchmarks/so_tag_round.py [--rounds 6] [--only inprocess ray pfl bare population scaling]
-        [--data data/synthetic] [--full-data data/so_full]
+        [--processes N] [--data data/synthetic] [--full-data data/so_full]
+
+The in-process engine runs its ClientApps on ``--processes`` processes (default: the machine's
+cores; :mod:`fedprivacy.engines.processes`); with more than one, the one-process engine is
+measured too (``inprocess_1``, no goal) so the gain of the workers is visible. The bare loop and
+pfl run single-threaded as before (torch 1 thread); Ray runs one client per core.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ PFL_VENV = HERE / ".venv-pfl"
 GOALS = {"ray": 20.0, "pfl": 2.0, "bare": 1 / 1.25, "population": 1.10, "scaling": 1.5}
 
 
-def _config(engine: str, rounds: int, data: Path, out: Path, cohort: int, clients: int):
+def _config(engine: str, rounds: int, data: Path, out: Path, cohort: int, clients: int, processes: int = 1):
     from fedprivacy.config import build_config
 
     return build_config({
+        "processes": processes if engine == "inprocess" else 1,
         "rounds": rounds, "eval_every": 10**9, "checkpoint_every": 10**9, "engine": engine, "output_dir": str(out),
         "data": {"path": str(data), "synthetic_clients": clients},
         "client": {"epochs": 1, "batch_size": 100, "lr": 30.0},
@@ -58,21 +64,24 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: int) -> dict:
-    """One fedprivacy engine in this process: per-round seconds from the run's metrics."""
+def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: int, processes: int = 1) -> dict:
+    """One fedprivacy engine in this process (and, in-process, ``processes - 1`` forked workers):
+    per-round seconds from the run's metrics."""
     import pandas as pd
 
     from fedprivacy.run import run
 
     with tempfile.TemporaryDirectory() as tmp:
         # one extra round, not reported: a run always evaluates after its last round
-        cfg = _config(engine, rounds + 1, data, Path(tmp) / engine, cohort, clients)
+        cfg = _config(engine, rounds + 1, data, Path(tmp) / engine, cohort, clients, processes)
         t0 = time.perf_counter()
         summary = run(cfg)
         wall = time.perf_counter() - t0
         seconds = pd.read_csv(Path(tmp) / engine / "metrics.csv")["seconds"].tolist()[:-1]
-    return {"engine": engine, "population": summary["population"], "round_seconds": seconds,
-            "wall_s_including_startup": wall}
+    return {"engine": engine, "processes": cfg.processes, "population": summary["population"],
+            "round_seconds": seconds, "wall_s_including_startup": wall,
+            "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if cfg.processes > 1
+            else None}
 
 
 def worker_bare(rounds: int, data: Path, cohort: int, clients: int) -> dict:
@@ -130,10 +139,10 @@ def worker_pfl(rounds: int, data: Path, cohort: int, clients: int) -> dict:
     return result
 
 
-def measure(kind: str, rounds: int, data: Path, cohort: int = 100, clients: int = 1000, retries: int = 0) -> dict:
+def measure(kind: str, rounds: int, data: Path, cohort: int = 100, clients: int = 1000, processes: int = 1) -> dict:
     """Run one measurement in a fresh process; summarise its round times."""
     cmd = [sys.executable, __file__, "--worker", kind, "--rounds", str(rounds), "--data", str(data),
-           "--cohort", str(cohort), "--clients", str(clients)]
+           "--cohort", str(cohort), "--clients", str(clients), "--processes", str(processes)]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode != 0:
         raise RuntimeError(f"{kind} measurement failed:\n{out.stderr[-4000:]}")
@@ -153,6 +162,9 @@ def main() -> int:
     ap.add_argument("--full-data", type=Path, default=Path("data/so_full"),
                     help="full-size population (fedprivacy data generate --out DIR --clients 342477)")
     ap.add_argument("--cohorts", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--processes", type=int, default=os.cpu_count(),
+                    help="in-process engine: processes running ClientApps (default: the machine's cores); "
+                         "the one-process engine is measured too when this is > 1")
     ap.add_argument("--repeat", type=int, default=2,
                     help="measure in-process, bare and pfl this many times, interleaved; keep each one's fastest")
     ap.add_argument("--out", type=Path, help="also write the report (JSON) here")
@@ -163,7 +175,8 @@ def main() -> int:
     if args.worker:
         fn = {"bare": worker_bare, "pfl": worker_pfl}.get(args.worker)
         r = (fn(args.rounds, args.data, args.cohort, args.clients) if fn
-             else worker_engine(args.worker, args.rounds, args.data, args.cohort, args.clients))
+             else worker_engine(args.worker.removesuffix("_1"), args.rounds, args.data, args.cohort, args.clients,
+                                1 if args.worker.endswith("_1") else args.processes))
         r.setdefault("peak_rss_mb", _peak_rss_mb())
         print(json.dumps(r), flush=True)
         return 0
@@ -172,13 +185,14 @@ def main() -> int:
 
     results: dict[str, dict] = {}
     medians: dict[str, list[float]] = {}
-    kinds = [k for k in ("inprocess", "bare", "pfl", "ray")
-             if k in args.only or (k == "inprocess" and {"ray", "pfl", "bare"} & set(args.only))]
+    kinds = [k for k in ("inprocess", "inprocess_1", "bare", "pfl", "ray")
+             if (k in args.only or (k.startswith("inprocess") and {"ray", "pfl", "bare"} & set(args.only)))
+             and not (k == "inprocess_1" and args.processes == 1)]
     for rep in range(args.repeat):  # interleaved; the fastest of each kind's medians is kept (shared machine)
         for kind in kinds:
             if kind == "ray" and rep:
                 continue  # Ray's start-up alone takes tens of seconds; it is far from its goal either way
-            r = measure(kind, args.rounds, args.data, clients=args.clients)
+            r = measure(kind, args.rounds, args.data, clients=args.clients, processes=args.processes)
             print(json.dumps(r), flush=True)
             medians.setdefault(kind, []).append(r["seconds_per_round"])
             if kind not in results or r["seconds_per_round"] < results[kind]["seconds_per_round"]:
@@ -190,10 +204,13 @@ def main() -> int:
         if base and kind in results:
             ratios[f"{kind}_over_inprocess"] = results[kind]["seconds_per_round"] / base["seconds_per_round"]
             goals[kind] = ratios[f"{kind}_over_inprocess"] >= goal
+    if base and "inprocess_1" in results:  # not a goal: what the worker processes bring
+        ratios["inprocess_1_process_over_inprocess"] = (results["inprocess_1"]["seconds_per_round"]
+                                                         / base["seconds_per_round"])
     if "population" in args.only:
         if args.full_data.exists():
-            small = base or measure("inprocess", args.rounds, args.data, clients=args.clients)
-            full = measure("inprocess", args.rounds, args.full_data)
+            small = base or measure("inprocess", args.rounds, args.data, clients=args.clients, processes=args.processes)
+            full = measure("inprocess", args.rounds, args.full_data, processes=args.processes)
             results["inprocess_full_population"] = full
             print(json.dumps(full), flush=True)
             ratios["full_over_small_population"] = full["seconds_per_round"] / small["seconds_per_round"]
@@ -204,7 +221,7 @@ def main() -> int:
     if "scaling" in args.only:
         per_client = {}
         for m in args.cohorts:
-            r = measure("inprocess", args.rounds, args.data, cohort=m, clients=args.clients)
+            r = measure("inprocess", args.rounds, args.data, cohort=m, clients=args.clients, processes=args.processes)
             results[f"inprocess_cohort_{m}"] = r
             per_client[m] = r["seconds_per_round"] / m
             print(json.dumps(r), flush=True)

@@ -48,7 +48,7 @@ from flwr.app import Error, Message, RecordDict
 log = logging.getLogger(__name__)
 
 WORKER_DIED = 2  # error code of the reply to a message whose worker process died while running it
-RING_BYTES = 256 << 20  # each worker's reply ring (virtual; tmpfs pages are used only where written)
+RING_BYTES = 64 << 20  # each worker's reply ring; a reply over half of it travels through the pipe instead
 RunClient = Callable[[Message, RecordDict], tuple[Message, RecordDict]]
 """Run a message's ClientApp with its node's state; return the reply and the node's new state."""
 
@@ -135,6 +135,11 @@ class ProcessPool:
         try:
             for i in range(n):
                 yield self._reply(i, states)
+        except GeneratorExit:  # the consumer stopped early: finish below
+            raise
+        except BaseException:  # this process failed while collecting replies: waiting on the workers could hang
+            self._stop_workers(kill=True)
+            raise
         finally:
             self._finish_batch()
 
@@ -190,23 +195,29 @@ class ProcessPool:
         """Read the workers' notices (waiting up to ``timeout`` s for one): replies, loaded batches, deaths."""
         for conn in wait(list(self._conns.values()), timeout):
             w = next(w for w, c in self._conns.items() if c is conn)
-            try:
-                while True:
+            while True:
+                try:
                     notice = conn.recv()
-                    if notice[0] == "loaded":
-                        self._loaded[w] = notice[1]
-                    else:
-                        self._receive(w, *notice[1:])
-                    if not conn.poll():
-                        break
-            except (EOFError, OSError):
-                self._worker_died(w)
+                except (EOFError, OSError):  # after every notice it sent: only its running message is lost
+                    self._worker_died(w)
+                    break
+                if notice[0] == "loaded":
+                    self._loaded[w] = notice[1]
+                elif notice[0] == "inline":
+                    self._keep(notice[1], notice[2], pickle.loads(notice[3]))
+                else:
+                    self._receive(w, *notice[1:])
+                if not conn.poll():
+                    break
 
     def _receive(self, w: int, batch: int, k: int, position: int, length: int) -> None:
         ring = self._rings[w].view(RING_BYTES)
         start = position % RING_BYTES
         result = pickle.loads(memoryview(ring)[start:start + length])
         self._consumed[w] = position + length
+        self._keep(batch, k, result)
+
+    def _keep(self, batch: int, k: int, result: tuple[Message, RecordDict]) -> None:
         if batch == self._batch.value and k in self._unanswered:
             self._results[k] = result
 
@@ -230,7 +241,7 @@ class ProcessPool:
             claimed = self._next.value
             self._next.value = self._size.value
         held = [k for k in self._unanswered if k < claimed]
-        while any(k not in self._results for k in held):
+        while self._conns and any(k not in self._results for k in held):
             self._pump(timeout=0.5)
         for _ in held:
             self._slots.release()
@@ -238,13 +249,16 @@ class ProcessPool:
 
     def close(self) -> None:
         """Stop the workers (between batches: they run nothing further) and wait for them."""
+        self._stop_workers(kill=False)
+
+    def _stop_workers(self, kill: bool) -> None:
         for conn in self._conns.values():
             try:
                 conn.send(None)
             except OSError:
                 pass
         for proc in self._procs.values():
-            proc.join(timeout=5)
+            proc.join(timeout=0 if kill else 5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -276,14 +290,15 @@ class ProcessPool:
                 except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an unpicklable reply: a dropout
                     data = pickle.dumps((Message(Error(code=WORKER_DIED, reason=f"reply not picklable: {exc}"),
                                                  reply_to=msg), result[1]), protocol=pickle.HIGHEST_PROTOCOL)
+                if len(data) > RING_BYTES // 2:
+                    conn.send_bytes(pickle.dumps(("inline", batch, k, data), protocol=pickle.HIGHEST_PROTOCOL))
+                    continue
                 written = self._put(w, ring, written, data, parent)
                 conn.send(("reply", batch, k, written - len(data), len(data)))
 
     def _put(self, w: int, ring: mmap.mmap, written: int, data: bytes, parent: int) -> int:
         """Copy ``data`` into worker ``w``'s ring (contiguously; waiting while the grid has not read
         enough of it); return the new write position."""
-        if len(data) > RING_BYTES // 2:
-            raise RuntimeError(f"a reply of {len(data)} bytes does not fit a worker's reply ring ({RING_BYTES} bytes)")
         if written % RING_BYTES + len(data) > RING_BYTES:  # skip the ring's tail end: start at offset 0
             written += RING_BYTES - written % RING_BYTES
         while written + len(data) - self._consumed[w] > RING_BYTES:

@@ -13,6 +13,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedprivacy.config import ConfigError, build_config
 from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
+from fedprivacy.engines import processes
 from fedprivacy.engines.processes import WORKER_DIED
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
@@ -145,3 +146,20 @@ def test_a_dead_worker_in_a_run_is_a_dropout_with_unchanged_accounting(small_con
 def test_processes_that_cannot_work_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
         build_config({}, overrides)
+
+
+@pytest.mark.parametrize("reply_bytes", [40_000, 100_000])  # wraps a 200 KB ring many times / over half: inline
+def test_replies_larger_than_the_ring_wrap_around_or_go_through_the_pipe(monkeypatch, reply_bytes):
+    _identity()
+    monkeypatch.setattr(processes, "RING_BYTES", 200_000)
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        node = msg.metadata.dst_node_id
+        return Message(RecordDict({"r": ConfigRecord({"blob": bytes([node % 251]) * reply_bytes})}), reply_to=msg)
+
+    with InProcessGrid(app, num_nodes=80, processes=2) as grid:
+        for _ in range(2):
+            replies = list(grid.send_and_receive(_batch(range(2, 82))))
+            assert [r.content["r"]["blob"] for r in replies] == [bytes([n % 251]) * reply_bytes for n in range(2, 82)]
