@@ -32,6 +32,7 @@ several processes with ``device: cpu`` only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import multiprocessing as mp
@@ -181,12 +182,16 @@ class ProcessPool:
 
     def _claim(self) -> int | None:
         """Claim the next message of the batch for this process (``None``: none left, or the window is full)."""
-        if not self._slots.acquire(block=False):
-            return None
+        return self._take(self._batch.value, 0) if self._slots.acquire(block=False) else None
+
+    def _take(self, batch: int, w: int) -> int | None:
+        """With a window slot held: the next message of ``batch`` for process ``w`` (0: the grid's),
+        or ``None`` (slot given back) when none is left."""
         with self._lock:
             k = self._next.value
-            if k < self._size.value:
+            if self._batch.value == batch and k < self._size.value:
                 self._next.value = k + 1
+                self._running[2 * w], self._running[2 * w + 1] = batch, k
                 return k
         self._slots.release()
         return None
@@ -253,10 +258,8 @@ class ProcessPool:
 
     def _stop_workers(self, kill: bool) -> None:
         for conn in self._conns.values():
-            try:
+            with contextlib.suppress(OSError):  # a worker already gone needs no stop notice
                 conn.send(None)
-            except OSError:
-                pass
         for proc in self._procs.values():
             proc.join(timeout=0 if kill else 5)
             if proc.is_alive():
@@ -291,7 +294,7 @@ class ProcessPool:
                     data = pickle.dumps((Message(Error(code=WORKER_DIED, reason=f"reply not picklable: {exc}"),
                                                  reply_to=msg), result[1]), protocol=pickle.HIGHEST_PROTOCOL)
                 if len(data) > RING_BYTES // 2:
-                    conn.send_bytes(pickle.dumps(("inline", batch, k, data), protocol=pickle.HIGHEST_PROTOCOL))
+                    conn.send(("inline", batch, k, data))
                     continue
                 written = self._put(w, ring, written, data, parent)
                 conn.send(("reply", batch, k, written - len(data), len(data)))
@@ -313,11 +316,4 @@ class ProcessPool:
         while not self._slots.acquire(timeout=1.0):
             if os.getppid() != parent:
                 os._exit(0)  # the grid's process is gone
-        with self._lock:
-            k = self._next.value
-            if self._batch.value == batch and k < self._size.value:
-                self._next.value = k + 1
-                self._running[2 * w], self._running[2 * w + 1] = batch, k
-                return k
-        self._slots.release()
-        return None
+        return self._take(batch, w)
