@@ -131,8 +131,9 @@ class DPFedAvgServer:
     """Holds the server's state and runs the rounds against a Flower ``Grid``."""
 
     prefetch_noise = True
-    """Start each round's noise draw while the clients train (:meth:`PrivateSum.prefetch_noise`);
-    off only for servers that change the mechanism mid-round (the audit's broken variants)."""
+    """Start each round's noise draw (:meth:`PrivateSum.prefetch_noise`) as soon as the previous
+    round's draws are made, so it runs on a second core during that round's tail and this round's
+    clients; off only for servers that change the mechanism mid-round (the audit's broken variants)."""
 
     def __init__(self, cfg: RunConfig, task: TagPredictionTask) -> None:
         cfg = resolve_noise_multiplier(cfg, task.population)
@@ -318,7 +319,7 @@ class DPFedAvgServer:
         agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_noise(p),
                          expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
         if self.prefetch_noise:
-            agg.prefetch_noise(self.noise)  # drawn on a second core while the clients train
+            agg.prefetch_noise(self.noise)  # round 1 or after a resume; else already drawing since the last round
         partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
         uplink: list[int] = []
@@ -363,6 +364,8 @@ class DPFedAvgServer:
             st = agg.stats
             row_unclipped = self.adaptive_clip.update_(st.accepted - st.clipped, st.accepted, self.noise,
                                                        noise_free=p.noise_multiplier == 0.0)
+        if self.prefetch_noise and self.round < self.cfg.rounds:  # every draw of this round is made:
+            agg.prefetch_noise(self.noise)  # start the next round's, to overlap this round's tail and its clients
         self.ledger.compose(event)
         row: dict[str, float] = {"round": self.round,
                                  "train_loss": sum(losses) / len(losses) if losses else float("nan"),

@@ -157,11 +157,13 @@ class PrivateSum:
                                 self.stats.accepted)
 
     def prefetch_noise(self, noise: GaussianNoise) -> None:
-        """Start the release's draw now, on ``noise``'s background thread, when its std cannot depend
-        on the replies (central placement: std ``zC``); :meth:`release` then consumes it. The same
-        draw from the same generator state as drawing at release: the values are bit-identical."""
-        if self.placement == "central":
-            noise.prefetch_(self._sum, self.server_noise_std())
+        """Start the release's draw now, on ``noise``'s background thread, when it cannot depend on
+        the replies (central placement: std ``zC``, nonzero); :meth:`release` then consumes it. The
+        same draw from the same generator state as drawing at release: the values are bit-identical.
+        The next round's release of the same mechanism has the same shape: calling this after
+        :meth:`release` starts that round's draw (whatever its ``C``)."""
+        if self.placement == "central" and self.server_noise_std() > 0:
+            noise.prefetch_(self._sum)
 
     def release(self, noise: GaussianNoise) -> torch.Tensor:
         """``(sum + N(0, s^2 I)) / m`` with ``s = server_noise_std()``: the only value that leaves the mechanism."""

@@ -8,9 +8,12 @@ so a resumed run draws exactly the noise an uninterrupted run would have drawn.
 is then not reproducible from the run seed, which is what a deployment wants. (PyTorch's
 Mersenne Twister itself is not a CSPRNG; a fully cryptographic sampler is future work.)
 
-A round's draw can be started early (:meth:`GaussianNoise.prefetch_`) on a background thread while
-the clients train: the same generator, the same single draw, consumed by the next :meth:`add_`,
-so the released values and the generator state are bit-identical to drawing it at release time.
+Every draw is standard normal, scaled by the std as it is added (:math:`x + \sigma z`), so a draw
+can be started before its std is known (:meth:`GaussianNoise.prefetch_`): on a background thread,
+while the clients train or already during the previous round's tail. The same generator, the same
+single draw, consumed by the next :meth:`add_`: the released values and the generator state are
+bit-identical to drawing at release time. A checkpoint taken while a draw is pending holds the
+state before it, so a resumed run draws exactly that vector again.
 """
 
 from __future__ import annotations
@@ -43,43 +46,47 @@ class GaussianNoise:
             self._gen.manual_seed(secrets.randbits(63))
         else:
             self._gen.manual_seed(torch_seed(np.random.SeedSequence([seed, NOISE_STREAM, *stream])))
-        self._pending: tuple[Future, float, torch.Size, torch.dtype] | None = None
+        self._pending: tuple[Future, torch.Size, torch.dtype, torch.Tensor] | None = None
         self._worker: ThreadPoolExecutor | None = None
 
-    def _draw(self, like: torch.Tensor, std: float) -> torch.Tensor:
-        return torch.empty_like(like).normal_(0.0, std, generator=self._gen)
+    def _draw(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(like).normal_(0.0, 1.0, generator=self._gen)
 
-    def prefetch_(self, like: torch.Tensor, std: float) -> None:
-        """Start the next :meth:`add_`'s draw (``like``'s shape, dtype and device; std ``std``) on a
-        background thread. Only for a draw that WILL be made next with exactly these arguments:
-        the generator advances now, so :meth:`add_` refuses anything else rather than shift the stream."""
+    def prefetch_(self, like: torch.Tensor) -> None:
+        """Start the next :meth:`add_`'s draw (``like``'s shape, dtype and device) on a background
+        thread; nothing if that draw is already pending. Only for a draw that WILL be made next with
+        a nonzero std: the generator advances now, so :meth:`add_` refuses anything else rather than
+        shift the stream."""
         if self._pending is not None:
-            raise RuntimeError("a noise draw is already prefetched and not yet consumed")
-        if std == 0.0:
+            if self._pending[1:3] != (like.shape, like.dtype):
+                raise RuntimeError(f"a noise draw of shape {tuple(self._pending[1])} is already prefetched and "
+                                   "not yet consumed")
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
-        self._pending = (self._worker.submit(self._draw, like, std), std, like.shape, like.dtype)
+        before = self._gen.get_state()
+        self._pending = (self._worker.submit(self._draw, like), like.shape, like.dtype, before)
 
     def add_(self, target: torch.Tensor, std: float) -> None:
-        """Add ``N(0, std^2)`` to every coordinate of ``target`` in place (one dense draw)."""
+        """Add ``N(0, std^2)`` to every coordinate of ``target`` in place (one dense draw; none when std is 0)."""
         if self._pending is not None:
-            future, pending_std, shape, dtype = self._pending
+            future, shape, dtype, _ = self._pending
             noise = future.result()
             self._pending = None
-            if (pending_std, shape, dtype) != (std, target.shape, target.dtype):
-                raise RuntimeError(f"prefetched noise (std {pending_std}, shape {tuple(shape)}) does not match this "
-                                   f"draw (std {std}, shape {tuple(target.shape)})")
-            target.add_(noise)
+            if (shape, dtype) != (target.shape, target.dtype) or std == 0.0:
+                raise RuntimeError(f"prefetched noise (shape {tuple(shape)}) does not match this draw "
+                                   f"(std {std}, shape {tuple(target.shape)})")
+        elif std == 0.0:
             return
-        if std == 0.0:
-            return
-        target.add_(self._draw(target, std))
+        else:
+            noise = self._draw(target)
+        target.add_(noise, alpha=std)
 
     def state_dict(self) -> dict:
-        if self._pending is not None:
-            raise RuntimeError("cannot checkpoint the noise generator while a prefetched draw is unconsumed")
-        return {"generator": self._gen.get_state(), "secure": self.secure}
+        """The generator's state; while a prefetched draw is pending, the state before it (a resumed
+        run draws that vector again, as the uninterrupted run releases it)."""
+        state = self._gen.get_state() if self._pending is None else self._pending[3]
+        return {"generator": state, "secure": self.secure}
 
     def load_state_dict(self, state: dict) -> None:
         if self._pending is not None:

@@ -15,7 +15,7 @@ from torch.nn.utils import parameters_to_vector
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import build_client_app
-from fedprivacy.fl.server_app import build_server_app, discover_nodes
+from fedprivacy.fl.server_app import DPFedAvgServer, build_server_app, discover_nodes
 from fedprivacy.outputs import RunExistsError
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.sampling import make_sampler
@@ -147,6 +147,26 @@ def test_resume_continues_bit_exactly_and_keeps_the_accountant(small_config, tmp
     full_summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["epsilon_rdp"] == full_summary["epsilon_rdp"]
     assert summary["epsilon_rdp"] == pytest.approx(epsilon(ledger, summary["delta"], "rdp"))
+
+
+def test_a_crash_after_a_mid_run_checkpoint_resumes_bit_exactly(small_config, tmp_path, monkeypatch):
+    # round 2's checkpoint is written while round 3's noise is already being drawn (prefetched)
+    full = small_config("rounds=4", f"output_dir={tmp_path / 'full'}")
+    run(full)
+    part = small_config("rounds=4", "checkpoint_every=2", f"output_dir={tmp_path / 'part'}")
+    original = DPFedAvgServer._run_round
+
+    def crash_in_round_3(self, *args):
+        if self.round == 2:
+            raise RuntimeError("simulated crash")
+        return original(self, *args)
+
+    monkeypatch.setattr(DPFedAvgServer, "_run_round", crash_in_round_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(part)
+    monkeypatch.undo()
+    run(part, resume=True)
+    assert torch.equal(_flat(tmp_path / "part" / "final_model.pt"), _flat(tmp_path / "full" / "final_model.pt"))
 
 
 def test_ledger_records_the_event_matching_the_sampler(small_config, tmp_path):

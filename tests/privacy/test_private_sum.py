@@ -163,8 +163,37 @@ def test_prefetch_only_where_the_std_cannot_depend_on_the_replies():
 
 def test_a_prefetched_draw_must_be_consumed_as_prefetched():
     noise = GaussianNoise(7)
-    noise.prefetch_(torch.zeros(10), 1.0)
-    with pytest.raises(RuntimeError, match="prefetched"):
-        noise.state_dict()  # a checkpoint now would skip the draw
+    noise.prefetch_(torch.zeros(10))
+    with pytest.raises(RuntimeError, match="already prefetched"):
+        noise.prefetch_(torch.zeros(11))
     with pytest.raises(RuntimeError, match="does not match"):
-        noise.add_(torch.zeros(10), 2.0)
+        noise.add_(torch.zeros(11), 2.0)
+    noise.prefetch_(torch.zeros(10))
+    with pytest.raises(RuntimeError, match="does not match"):
+        noise.add_(torch.zeros(10), 0.0)  # a std-0 release draws nothing: the stream would shift
+
+
+def test_prefetching_twice_is_one_draw():
+    plain, early = GaussianNoise(7), GaussianNoise(7)
+    x, y = torch.zeros(100), torch.zeros(100)
+    plain.add_(x, 1.5)
+    early.prefetch_(y)
+    early.prefetch_(y)  # already pending: nothing more drawn
+    early.add_(y, 1.5)
+    assert torch.equal(x, y)
+    assert torch.equal(plain.state_dict()["generator"], early.state_dict()["generator"])
+
+
+def test_a_checkpoint_while_a_draw_is_pending_redraws_it_on_resume():
+    noise = GaussianNoise(7)
+    noise.prefetch_(torch.zeros(1000))  # the next round's draw, started before the checkpoint
+    noise._pending[0].result()  # the generator has moved past the draw
+    state = noise.state_dict()
+    released = torch.zeros(1000)
+    noise.add_(released, 2.0)
+    resumed = GaussianNoise(0)
+    resumed.load_state_dict(state)
+    again = torch.zeros(1000)
+    resumed.add_(again, 2.0)
+    assert torch.equal(released, again)
+    assert torch.equal(noise.state_dict()["generator"], resumed.state_dict()["generator"])
