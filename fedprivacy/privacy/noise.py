@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +31,15 @@ NOISE_STREAM = 0x6E6F697365  # "noise": keeps this stream disjoint from other se
 def torch_seed(seq: np.random.SeedSequence) -> int:
     """A seed for ``torch.Generator.manual_seed`` from ``seq``: its first 64-bit word, shifted to 63 bits."""
     return int(seq.generate_state(1, np.uint64)[0] >> 1)
+
+
+class _Pending(NamedTuple):
+    """A prefetched draw: its future, what it is shaped like, and the generator's state before it."""
+
+    draw: Future
+    shape: torch.Size
+    dtype: torch.dtype
+    state_before: torch.Tensor
 
 
 class GaussianNoise:
@@ -46,7 +56,7 @@ class GaussianNoise:
             self._gen.manual_seed(secrets.randbits(63))
         else:
             self._gen.manual_seed(torch_seed(np.random.SeedSequence([seed, NOISE_STREAM, *stream])))
-        self._pending: tuple[Future, torch.Size, torch.dtype, torch.Tensor] | None = None
+        self._pending: _Pending | None = None
         self._worker: ThreadPoolExecutor | None = None
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:
@@ -58,23 +68,22 @@ class GaussianNoise:
         a nonzero std: the generator advances now, so :meth:`add_` refuses anything else rather than
         shift the stream."""
         if self._pending is not None:
-            if self._pending[1:3] != (like.shape, like.dtype):
-                raise RuntimeError(f"a noise draw of shape {tuple(self._pending[1])} is already prefetched and "
+            if (self._pending.shape, self._pending.dtype) != (like.shape, like.dtype):
+                raise RuntimeError(f"a noise draw of shape {tuple(self._pending.shape)} is already prefetched and "
                                    "not yet consumed")
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
         before = self._gen.get_state()
-        self._pending = (self._worker.submit(self._draw, like), like.shape, like.dtype, before)
+        self._pending = _Pending(self._worker.submit(self._draw, like), like.shape, like.dtype, before)
 
     def add_(self, target: torch.Tensor, std: float) -> None:
         """Add ``N(0, std^2)`` to every coordinate of ``target`` in place (one dense draw; none when std is 0)."""
         if self._pending is not None:
-            future, shape, dtype, _ = self._pending
-            noise = future.result()
-            self._pending = None
-            if (shape, dtype) != (target.shape, target.dtype) or std == 0.0:
-                raise RuntimeError(f"prefetched noise (shape {tuple(shape)}) does not match this draw "
+            pending, self._pending = self._pending, None
+            noise = pending.draw.result()
+            if (pending.shape, pending.dtype) != (target.shape, target.dtype) or std == 0.0:
+                raise RuntimeError(f"prefetched noise (shape {tuple(pending.shape)}) does not match this draw "
                                    f"(std {std}, shape {tuple(target.shape)})")
         elif std == 0.0:
             return
@@ -85,7 +94,7 @@ class GaussianNoise:
     def state_dict(self) -> dict:
         """The generator's state; while a prefetched draw is pending, the state before it (a resumed
         run draws that vector again, as the uninterrupted run releases it)."""
-        state = self._gen.get_state() if self._pending is None else self._pending[3]
+        state = self._gen.get_state() if self._pending is None else self._pending.state_before
         return {"generator": state, "secure": self.secure}
 
     def load_state_dict(self, state: dict) -> None:

@@ -187,7 +187,7 @@ def test_prefetching_twice_is_one_draw():
 def test_a_checkpoint_while_a_draw_is_pending_redraws_it_on_resume():
     noise = GaussianNoise(7)
     noise.prefetch_(torch.zeros(1000))  # the next round's draw, started before the checkpoint
-    noise._pending[0].result()  # the generator has moved past the draw
+    noise._pending.draw.result()  # the generator has moved past the draw
     state = noise.state_dict()
     released = torch.zeros(1000)
     noise.add_(released, 2.0)
