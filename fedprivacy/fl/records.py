@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 
@@ -68,18 +69,21 @@ def _view(arr: Array) -> np.ndarray:
         return arr.numpy()
     shape = tuple(int(n) for n in arr.shape)
     header = _npy_header(dtype, shape)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if (header is None or len(arr.data) != len(header) + count * dtype.itemsize
             or arr.data[:len(header)] != header):
         return arr.numpy()
     return np.frombuffer(arr.data, dtype=dtype, count=count, offset=len(header)).reshape(shape)
 
 
+with warnings.catch_warnings():  # torch warns ONCE per process that it cannot mark a read-only view
+    warnings.simplefilter("ignore", UserWarning)  # read-only: spend that warning here, silently, so the
+    torch.from_numpy(np.frombuffer(bytes(4), dtype=np.float32))  # per-reply path needs no catch_warnings
+
+
 def _tensor(arr: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy`` of a read-only view (torch warns once that it cannot mark it read-only)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
+    """``torch.from_numpy`` of a read-only view (silent: its one warning was spent at import)."""
+    return torch.from_numpy(arr)
 
 
 def update_to_record(update: SparseUpdate) -> ArrayRecord:

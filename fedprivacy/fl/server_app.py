@@ -347,7 +347,7 @@ class DPFedAvgServer:
                 log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
                 agg.add_(None)
                 continue
-            arrays = reply.content.array_records.get("arrays")
+            arrays = reply.content.get("arrays")  # not an ArrayRecord: decodes to None
             update = record_to_update(arrays, self.params.numel(), self.cfg.device)
             if agg.add_(update):
                 losses.append(float(reply.content["metrics"]["train_loss"]))

@@ -68,7 +68,8 @@ class SparseUpdate:
             return False
         if idx.numel() == 0:
             return True
-        return bool(idx[0] >= 0) and bool(idx[-1] < dim // block) and bool((idx[1:] > idx[:-1]).all())
+        ids = idx.cpu().numpy()  # checked in numpy: three small torch ops cost ~4x as much per reply
+        return bool(ids[0] >= 0 and ids[-1] < dim // block and (ids[1:] > ids[:-1]).all())
 
     def to_dense(self) -> torch.Tensor:
         if self.indices is None:
