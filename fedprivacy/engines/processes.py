@@ -9,9 +9,10 @@ whichever process ran which client (``tests/engine/test_processes.py``).
 
 Transport: bulk bytes go through shared memory, not pipes (a pipe moves a 20 MB broadcast in
 hundreds of chunks, and each chunk waits for the GIL of a busy process). A batch is pickled once,
-straight into a shared buffer every worker reads; each worker pickles its replies into its own
-shared ring buffer. The pipes carry only small notices (batch ready, batch loaded, reply at
-offset). The grid's process reads them itself between the clients it runs: no threads.
+straight into a shared buffer every worker reads; each worker writes its replies into its own
+shared ring buffer, an update's large payloads copied there directly and the rest pickled after
+them. The pipes carry only small notices (batch ready, batch loaded, reply at offset). The grid's
+process reads them itself between the clients it runs: no threads.
 
 - The messages of a round share their broadcast ``ArrayRecord`` (and DiSK's lookahead, AdaDPS's
   ``A``); pickle writes a shared object once.
@@ -33,6 +34,7 @@ several processes with ``device: cpu`` only.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import mmap
 import multiprocessing as mp
@@ -49,7 +51,8 @@ from flwr.app import Error, Message, RecordDict
 log = logging.getLogger(__name__)
 
 WORKER_DIED = 2  # error code of the reply to a message whose worker process died while running it
-RING_BYTES = 64 << 20  # each worker's reply ring; a reply over half of it travels through the pipe instead
+RING_BYTES = 64 << 20  # each worker's reply ring; a reply pickle over a quarter of it travels through the pipe instead
+OUT_OF_BAND_BYTES = 1 << 16  # a reply's bytes objects from this size on are copied into the ring, not into its pickle
 RunClient = Callable[[Message, RecordDict], tuple[Message, RecordDict]]
 """Run a message's ClientApp with its node's state; return the reply and the node's new state."""
 
@@ -77,6 +80,29 @@ class _SharedFile:
                 self.map.close()
             self.map = mmap.mmap(self.fd, os.fstat(self.fd).st_size)
         return self.map
+
+
+class _ReplyPickler(pickle.Pickler):
+    """Pickles a reply with each large ``bytes`` object (an update's ``.npy`` payload) copied straight
+    into the worker's ring, not into the pickle: one copy of the update fewer. The pickle names each
+    by ``(ring position, length)``; :meth:`ProcessPool._receive` reads it back from there."""
+
+    def __init__(self, file: io.BytesIO, put: Callable[[bytes], int]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._put = put
+        self._budget = RING_BYTES // 4  # of the ring one reply may fill this way (the rest stays in the pickle)
+
+    def persistent_id(self, obj: object) -> tuple[int, int] | None:
+        if type(obj) is bytes and OUT_OF_BAND_BYTES <= len(obj) <= self._budget:
+            self._budget -= len(obj)
+            return self._put(obj), len(obj)
+        return None
+
+    @classmethod
+    def dumps(cls, obj: object, put: Callable[[bytes], int]) -> bytes:
+        buffer = io.BytesIO()
+        cls(buffer, put).dump(obj)
+        return buffer.getvalue()
 
 
 class ProcessPool:
@@ -208,18 +234,26 @@ class ProcessPool:
                     break
                 if notice[0] == "loaded":
                     self._loaded[w] = notice[1]
-                elif notice[0] == "inline":
-                    self._keep(notice[1], notice[2], pickle.loads(notice[3]))
                 else:
-                    self._receive(w, *notice[1:])
+                    self._receive(w, *notice)
                 if not conn.poll():
                     break
 
-    def _receive(self, w: int, batch: int, k: int, position: int, length: int) -> None:
-        ring = self._rings[w].view(RING_BYTES)
-        start = position % RING_BYTES
-        result = pickle.loads(memoryview(ring)[start:start + length])
-        self._consumed[w] = position + length
+    def _receive(self, w: int, kind: str, batch: int, k: int, where: int | bytes, end: int) -> None:
+        """Unpickle worker ``w``'s reply to message ``k`` (``where``: its pickle's ring position, or the
+        pickle itself when it came ``inline``), fetching its large payloads from the ring; the ring
+        is then free up to ``end``."""
+        with memoryview(self._rings[w].view(RING_BYTES)) as ring:
+            if kind == "inline":
+                data = where
+            else:
+                start = where % RING_BYTES
+                data = ring[start:end - where + start]
+            unpickler = pickle.Unpickler(io.BytesIO(data))
+            unpickler.persistent_load = lambda pid: bytes(ring[pid[0] % RING_BYTES:pid[0] % RING_BYTES + pid[1]])
+            result = unpickler.load()
+            del data, unpickler
+        self._consumed[w] = end
         self._keep(batch, k, result)
 
     def _keep(self, batch: int, k: int, result: tuple[Message, RecordDict]) -> None:
@@ -275,6 +309,13 @@ class ProcessPool:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         ring = self._rings[w].view(RING_BYTES)
         written = 0  # ring bytes written so far (a position; modulo RING_BYTES is the offset)
+
+        def put(data: bytes) -> int:
+            """Copy ``data`` into the ring; return its position."""
+            nonlocal written
+            written = self._put(w, ring, written, data, parent)
+            return written - len(data)
+
         while True:
             try:
                 notice = conn.recv()
@@ -289,15 +330,15 @@ class ProcessPool:
                 msg = messages[k]
                 result = self._run_client(msg, states.get(msg.metadata.dst_node_id, RecordDict()))
                 try:
-                    data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+                    data = _ReplyPickler.dumps(result, put)
                 except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an unpicklable reply: a dropout
                     data = pickle.dumps((Message(Error(code=WORKER_DIED, reason=f"reply not picklable: {exc}"),
                                                  reply_to=msg), result[1]), protocol=pickle.HIGHEST_PROTOCOL)
-                if len(data) > RING_BYTES // 2:
-                    conn.send(("inline", batch, k, data))
+                if len(data) > RING_BYTES // 4:
+                    conn.send(("inline", batch, k, data, written))
                     continue
-                written = self._put(w, ring, written, data, parent)
-                conn.send(("reply", batch, k, written - len(data), len(data)))
+                position = put(data)
+                conn.send(("reply", batch, k, position, written))
 
     def _put(self, w: int, ring: mmap.mmap, written: int, data: bytes, parent: int) -> int:
         """Copy ``data`` into worker ``w``'s ring (contiguously; waiting while the grid has not read

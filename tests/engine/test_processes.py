@@ -148,18 +148,25 @@ def test_processes_that_cannot_work_are_refused_naming_the_field(overrides, fiel
         build_config({}, overrides)
 
 
-@pytest.mark.parametrize("reply_bytes", [40_000, 100_000])  # wraps a 200 KB ring many times / over half: inline
-def test_replies_larger_than_the_ring_wrap_around_or_go_through_the_pipe(monkeypatch, reply_bytes):
+@pytest.mark.parametrize("out_of_band", [1 << 30, 10_000])  # every payload in the pickle / large ones in the ring
+@pytest.mark.parametrize("reply_bytes", [[40_000], [100_000], [30_000, 30_000]])
+def test_replies_larger_than_the_ring_wrap_around_or_go_through_the_pipe(monkeypatch, reply_bytes, out_of_band):
+    """A 200 KB ring: 40 KB replies wrap it many times; a 100 KB one is over a quarter of it (through
+    the pipe); with payloads from 10 KB copied into the ring directly, the second 30 KB blob is over
+    the reply's share of the ring (50 KB) and stays in the pickle."""
     _identity()
     monkeypatch.setattr(processes, "RING_BYTES", 200_000)
+    monkeypatch.setattr(processes, "OUT_OF_BAND_BYTES", out_of_band)
     app = ClientApp()
+
+    def blobs(node: int) -> dict[str, bytes]:
+        return {f"blob{j}": bytes([(node + j) % 251]) * size for j, size in enumerate(reply_bytes)}
 
     @app.train()
     def train(msg: Message, context) -> Message:
-        node = msg.metadata.dst_node_id
-        return Message(RecordDict({"r": ConfigRecord({"blob": bytes([node % 251]) * reply_bytes})}), reply_to=msg)
+        return Message(RecordDict({"r": ConfigRecord(blobs(msg.metadata.dst_node_id))}), reply_to=msg)
 
     with InProcessGrid(app, num_nodes=80, processes=2) as grid:
         for _ in range(2):
             replies = list(grid.send_and_receive(_batch(range(2, 82))))
-            assert [r.content["r"]["blob"] for r in replies] == [bytes([n % 251]) * reply_bytes for n in range(2, 82)]
+            assert [dict(r.content["r"]) for r in replies] == [blobs(n) for n in range(2, 82)]
