@@ -155,6 +155,19 @@ def model_to_record(model: nn.Module) -> ArrayRecord:
     return arrays_to_record({name: p.detach().cpu().numpy() for name, p in model.named_parameters()})
 
 
+def vector_to_record(vector: torch.Tensor, model: nn.Module) -> ArrayRecord:
+    """The broadcast of a flat vector laid out like ``model``'s parameters (``parameters_to_vector``
+    order): the same record as :func:`model_to_record` after ``vector_to_parameters(vector, ...)``,
+    with one copy of the vector instead of two and the model left as it is."""
+    flat = vector.detach().to("cpu", torch.float32)
+    params = list(model.named_parameters())
+    if flat.numel() != sum(p.numel() for _, p in params):
+        raise ValueError(f"a vector of {flat.numel()} values does not fill a model of "
+                         f"{sum(p.numel() for _, p in params)} parameters")
+    parts = flat.split([p.numel() for _, p in params])
+    return arrays_to_record({name: part.view(p.shape).numpy() for (name, p), part in zip(params, parts)})
+
+
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
     """Named numpy arrays as an ``ArrayRecord`` (one copy each)."""
     return ArrayRecord({name: _array(a) for name, a in arrays.items()})

@@ -31,7 +31,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.sample_dp import event_from_metrics
 from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig
-from fedprivacy.fl.records import model_to_record, record_nbytes, record_to_update
+from fedprivacy.fl.records import record_nbytes, record_to_update, vector_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import VERSION as SIDE_INFO_VERSION
 from fedprivacy.fl.side_information import SideInformationBroadcast
@@ -287,18 +287,17 @@ class DPFedAvgServer:
 
     def _run_round(self, grid: Grid, nodes: list[int], event: Any) -> None:
         t0 = time.perf_counter()
-        vector_to_parameters(self.params, self.model.parameters())
-        if self.side_info and self.side_info.update(self.round, self.model):  # public A at the released x_t
-            self.outputs.write_json("side_information.json", self.side_info.builds)
+        if self.side_info:
+            vector_to_parameters(self.params, self.model.parameters())
+            if self.side_info.update(self.round, self.model):  # public A at the released x_t
+                self.outputs.write_json("side_information.json", self.side_info.builds)
         self.round += 1
         cohort = self.sampler.sample()
-        broadcast = model_to_record(self.model)
         config = {"server-round": self.round}
-        content = {"arrays": broadcast}
+        content = {"arrays": vector_to_record(self.params, self.model)}
         lookahead = self.disk.lookahead(self.params) if self.disk else None
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
-            vector_to_parameters(lookahead, self.model.parameters())
-            content["lookahead"] = model_to_record(self.model)
+            content["lookahead"] = vector_to_record(lookahead, self.model)
             config["disk-c"] = self.disk.c
         side_info_bytes = 0
         p = self.cfg.privacy

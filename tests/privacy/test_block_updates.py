@@ -8,7 +8,7 @@ import torch
 from flwr.app import Array
 
 from fedprivacy.client.trainer import client_generator, local_sgd
-from fedprivacy.fl.records import _array, _view, record_to_update, update_to_record
+from fedprivacy.fl.records import _array, _view, model_to_record, record_to_update, update_to_record, vector_to_record
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
 
@@ -107,3 +107,17 @@ def test_block_update_round_trips_through_its_record_and_encoding_matches_np_sav
         assert _array(a).data == Array(a).data
         assert np.array_equal(_view(Array(a)), a) and _view(Array(a)).shape == a.shape
     assert record_to_update(update_to_record(SparseUpdate(None, torch.ones(2, 8), 16)), 16) is None  # 2-D needs indices
+
+
+def test_the_broadcast_of_a_vector_is_the_models_record_after_loading_it_and_leaves_the_model_alone():
+    m = _model()
+    before = [p.detach().clone() for p in m.parameters()]
+    vector = torch.randn(sum(p.numel() for p in m.parameters()))
+    record = vector_to_record(vector, m)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    torch.nn.utils.vector_to_parameters(vector, m.parameters())
+    expected = model_to_record(m)
+    assert list(record.keys()) == list(expected.keys())
+    assert all(record[k].data == expected[k].data and record[k].shape == expected[k].shape for k in record.keys())
+    with pytest.raises(ValueError, match="does not fill"):
+        vector_to_record(vector[1:], m)
