@@ -252,7 +252,6 @@ class ProcessPool:
             unpickler = pickle.Unpickler(io.BytesIO(data))
             unpickler.persistent_load = lambda pid: bytes(ring[pid[0] % RING_BYTES:pid[0] % RING_BYTES + pid[1]])
             result = unpickler.load()
-            del data, unpickler
         self._consumed[w] = end
         self._keep(batch, k, result)
 

@@ -161,11 +161,10 @@ def vector_to_record(vector: torch.Tensor, model: nn.Module) -> ArrayRecord:
     with one copy of the vector instead of two and the model left as it is."""
     flat = vector.detach().to("cpu", torch.float32)
     params = list(model.named_parameters())
-    if flat.numel() != sum(p.numel() for _, p in params):
-        raise ValueError(f"a vector of {flat.numel()} values does not fill a model of "
-                         f"{sum(p.numel() for _, p in params)} parameters")
-    parts = flat.split([p.numel() for _, p in params])
-    return arrays_to_record({name: part.view(p.shape).numpy() for (name, p), part in zip(params, parts)})
+    sizes = [p.numel() for _, p in params]
+    if flat.numel() != sum(sizes):
+        raise ValueError(f"a vector of {flat.numel()} values does not fill a model of {sum(sizes)} parameters")
+    return arrays_to_record({name: part.view(p.shape).numpy() for (name, p), part in zip(params, flat.split(sizes))})
 
 
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
