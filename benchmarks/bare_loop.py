@@ -1,10 +1,11 @@
 """DP-FedAvg on the issue-"Speed" workload as a bare PyTorch loop: no Flower, no fedprivacy objects.
 
 The practical limit for the in-process engine on this machine: the same math with nothing around
-it. Per round: draw a cohort of ``m`` users without replacement; per user, copy the weight rows of
-its words and the bias (the only parameters its loss reads), run local SGD with the closed-form
-softmax cross-entropy gradient on the same batches (data order from the same per-(seed, round,
-user) generator as fedprivacy's trainer), clip the delta to L2 norm ``C`` and add it into the sum;
+it. Per round: draw a cohort of ``m`` users without replacement; per user, run local SGD with the
+closed-form softmax cross-entropy gradient on the same batches (data order from the same
+per-(seed, round, user) generator as fedprivacy's trainer), accumulating the delta on the weight
+rows of its words and the bias (the only parameters its loss reads or changes; the model is only
+read, at the batch's words), clip the delta to L2 norm ``C`` and add it into the sum;
 then ONE dense Gaussian draw of std ``zC`` over all 5,000,500 coordinates, divide by ``m`` and take
 a server SGD step. Parameters are one ``(1 + V, K)`` matrix: row 0 the bias, row ``1 + w`` the
 weights of word ``w`` (fedprivacy's flat order). Data: CSR arrays (``indptr``, ``indices``,
@@ -49,12 +50,11 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
             vals = data[rows_ptr[0]:rows_ptr[-1]]
             words, local_cols = np.unique(cols, return_inverse=True)
             rows = torch.from_numpy(np.concatenate([[0], words.astype(np.int64) + 1]))
-            start = params.index_select(0, rows)
-            theta = start.clone()
-            y = torch.from_numpy(np.asarray(labels[lo:hi], dtype=np.int64))
+            delta = torch.zeros(len(rows), classes)  # local SGD accumulates x_local - x_t; x_t is only read
+            y = np.asarray(labels[lo:hi], dtype=np.int64)
             ptr = rows_ptr - rows_ptr[0]
             rng = np.random.default_rng(np.random.SeedSequence([seed, CLIENT_STREAM, t, int(u)]))
-            n = hi - lo
+            n, first = hi - lo, True
             for _ in range(epochs):
                 order = rng.permutation(n)
                 for b0 in range(0, n, batch_size):
@@ -63,20 +63,24 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                     offs = np.zeros(len(idx), dtype=np.int64)
                     np.cumsum(lengths[:-1], out=offs[1:])
                     pos = np.repeat(ptr[idx] - offs, lengths) + np.arange(int(lengths.sum()))
+                    offsets = torch.from_numpy(offs)
                     bag_words = torch.from_numpy(local_cols[pos].astype(np.int64))
                     bag_w = torch.from_numpy(vals[pos].astype(np.float32))
-                    logits = F.embedding_bag(bag_words, theta[1:], torch.from_numpy(offs), mode="sum",
-                                             per_sample_weights=bag_w) + theta[0]
+                    logits = F.embedding_bag(torch.from_numpy(cols[pos].astype(np.int64)), params[1:], offsets,
+                                             mode="sum", per_sample_weights=bag_w) + params[0]
+                    if not first:  # at x_t + delta
+                        logits += F.embedding_bag(bag_words, delta[1:], offsets, mode="sum",
+                                                  per_sample_weights=bag_w) + delta[0]
+                    first = False
                     g_logits = torch.softmax(logits, 1)
-                    g_logits[torch.arange(len(idx)), y[idx]] -= 1.0
+                    g_logits[torch.arange(len(idx)), torch.from_numpy(y[idx])] -= 1.0
                     g_logits /= len(idx)
                     bag_of = torch.from_numpy(np.repeat(np.arange(len(idx)), lengths))
                     xt = torch.sparse_coo_tensor(torch.stack([bag_words, bag_of]), bag_w, (len(rows) - 1, len(idx)),
                                                  check_invariants=False)
-                    theta[0] -= client_lr * g_logits.sum(0)
-                    weight = theta[1:]
+                    delta[0] -= client_lr * g_logits.sum(0)
+                    weight = delta[1:]
                     torch.addmm(weight, xt, g_logits, alpha=-client_lr, out=weight)  # in place, no (r, K) temporary
-            delta = theta.sub_(start)
             norm = float(torch.linalg.vector_norm(delta))
             total.index_add_(0, rows, delta, alpha=min(1.0, clip / norm) if norm > 0 else 1.0)
         total.add_(torch.empty_like(total).normal_(0.0, z * clip, generator=noise_gen))

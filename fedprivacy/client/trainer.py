@@ -12,8 +12,8 @@ coordinates that local SGD can change (``model.update_support(features)`` when t
 defines it, else all of them). It is the same vector as the dense delta: every other coordinate
 is exactly zero. Afterwards the model is restored to ``x_t`` on those coordinates, so one working
 model serves every client of a round without a full copy. A model that defines ``support_blocks``
-(sparse logistic regression) instead trains a small copy of just those rows and returns a
-block-sparse delta; the shared model is never written.
+(sparse logistic regression) instead accumulates the delta on just those rows and returns it
+block-sparse; the shared model is never written.
 
 References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
 """
@@ -153,27 +153,28 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
                       preconditioner: dict[str, torch.Tensor] | None = None) -> LocalResult:
     """:func:`local_sgd` for a model that trains on its support rows alone (``support_blocks``).
 
-    The same SGD on the same batches, on a ``(r, K)`` copy of the rows the client's data touches
-    instead of on the shared model (which is only read): no restore afterwards, and the delta is
-    block-sparse over those rows. The model supplies the batch gradient in closed form
-    (``local_sgd_step_``, in place); the values agree with autograd's up to float summation order.
+    The same SGD on the same batches, accumulated as the delta itself on the ``(r, K)`` rows the
+    client's data touches (:math:`\\Delta \\leftarrow \\Delta - \\eta_l \\nabla f(x_t + \\Delta; B_j)`,
+    :math:`\\Delta = 0` at first) instead of on the shared model or a copy of its rows: the starting
+    point is only read, nothing is restored, and the delta is block-sparse over those rows. The
+    model supplies the batch gradient in closed form (``local_sgd_step_``, in place); the values
+    agree with autograd's up to float rounding.
     """
     blocks, local = model.support_blocks(features)
-    origin = model.gather_blocks(blocks)
-    k = origin.shape[1]
-    start = origin if start_from is None else start_from.view(-1, k).index_select(0, blocks).to(origin.dtype)
-    theta = start.clone()
+    start = model.start_point(start_from)
+    delta = torch.zeros(len(blocks), model.block_size, dtype=start[0].dtype, device=start[0].device)
     inverse_a = model.inverse_preconditioner(preconditioner, blocks)
     n = features.shape[0]
-    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(theta.device)
-    loss_sum = 0.0
+    y_all = np.asarray(labels, dtype=np.int64)
+    loss_sum, first = 0.0, True
     for _ in range(epochs):
         order = rng.permutation(n)
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
-            loss_sum += model.local_sgd_step_(local, idx, theta, y_all[idx], lr, inverse_a) * len(idx)
-    values = theta.sub_(start)
-    return LocalResult(update=SparseUpdate(blocks, values, sum(p.numel() for p in model.parameters())),
+            y = torch.from_numpy(y_all[idx]).to(delta.device)
+            loss_sum += model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=first) * len(idx)
+            first = False
+    return LocalResult(update=SparseUpdate(blocks, delta, sum(p.numel() for p in model.parameters())),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
 
 

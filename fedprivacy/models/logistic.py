@@ -11,7 +11,8 @@ Local training can also run on the client's rows alone (:meth:`SparseLogisticReg
 :meth:`~SparseLogisticRegression.local_logits`): the flat parameter vector (``bias`` then
 ``embedding.weight``) is a ``(1 + V, K)`` matrix whose row 0 is the bias and row ``1 + w`` the
 weights of word ``w``; a client reads and changes only the rows of its words and the bias, so it
-trains a small ``(r, K)`` copy of those rows, and its update is block-sparse over them.
+accumulates its delta on a small ``(r, K)`` matrix of those rows (reading the starting point only
+where a batch's words are), and its update is block-sparse over them.
 
 References: AdaDPS (Li et al. 2022, arXiv:2202.05963v2), App. B; TFF's StackOverflow LR baseline
 (Reddi et al. 2021, arXiv:2003.00295v5, App. C).
@@ -68,38 +69,48 @@ class SparseLogisticRegression(nn.Module):
         return self.bias.numel()
 
     def support_blocks(self, x: sp.csr_matrix) -> tuple[torch.Tensor, LocalRows]:
-        """The blocks training on ``x`` reads or changes, and ``x`` renumbered onto them.
+        """The blocks training on ``x`` reads or changes, and ``x`` with its columns also renumbered onto them.
 
         Returns ``blocks`` (sorted, unique int64: 0 for the bias, ``1 + w`` for word ``w`` present in
-        ``x``) and the rows of ``x`` with column ``w`` renumbered to its position among the words,
-        for :meth:`local_logits`. The same support as :meth:`update_support`, as whole rows.
+        ``x``) and the rows of ``x`` keeping both its word columns and their positions among the
+        words (for :meth:`local_logits`). The same support as :meth:`update_support`, as whole rows.
         """
         words, local_cols = np.unique(x.indices, return_inverse=True)
         blocks = np.empty(len(words) + 1, dtype=np.int64)
         blocks[0] = 0
         blocks[1:] = words
         blocks[1:] += 1
-        local = LocalRows(np.asarray(x.indptr, dtype=np.int64), local_cols.astype(np.int64, copy=False),
-                          np.asarray(x.data, dtype=np.float32))
+        local = LocalRows(np.asarray(x.indptr, dtype=np.int64), x.indices.astype(np.int64),
+                          local_cols.astype(np.int64, copy=False), np.asarray(x.data, dtype=np.float32))
         return torch.from_numpy(blocks).to(self.bias.device), local
 
-    @torch.no_grad()
-    def gather_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """A fresh ``(r, K)`` tensor holding the model's rows ``blocks`` (``blocks[0]`` must be 0, the bias)."""
-        out = torch.empty(len(blocks), self.block_size, dtype=self.bias.dtype, device=self.bias.device)
-        out[0] = self.bias
-        torch.index_select(self.embedding.weight, 0, blocks[1:] - 1, out=out[1:])
-        return out
+    def start_point(self, flat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bias, weight)`` of the point local training starts from, as read-only views: the model's
+        own parameters, or ``flat`` (a full vector in ``parameters_to_vector`` order: the bias, then
+        the weight rows)."""
+        if flat is None:
+            return self.bias.detach(), self.embedding.weight.detach()
+        rows = flat.view(-1, self.block_size).to(self.bias.dtype)
+        return rows[0], rows[1:]
 
     @staticmethod
-    def local_logits(local: LocalRows, rows: np.ndarray, theta: torch.Tensor) -> torch.Tensor:
-        """Logits of rows ``rows`` of ``local`` under block parameters ``theta`` (``(r, K)``: bias,
-        then the weight rows of the client's words): the same values as :meth:`forward` on those rows."""
-        indices, offsets, weights = local.bag(rows)
-        device = theta.device
-        return nn.functional.embedding_bag(
-            torch.from_numpy(indices).to(device), theta[1:], torch.from_numpy(offsets).to(device), mode="sum",
-            per_sample_weights=torch.from_numpy(weights).to(device)) + theta[0]
+    def local_logits(bag: Bag, start: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the rows of ``bag`` (from :meth:`LocalRows.bag`) under ``start + delta``: ``start`` as from :meth:`start_point`,
+        ``delta`` block rows (``(r, K)``: bias, then the weight rows of the client's words; None: zero).
+        The same values as :meth:`forward` on those rows at that point.
+
+        .. math:: z_i = (W_0 + \\Delta_W)^\\top x_i + b_0 + \\Delta_b
+        """
+        bias, weight = start
+        device = weight.device
+        offsets = torch.from_numpy(bag.offsets).to(device)
+        values = torch.from_numpy(bag.values).to(device)
+        logits = nn.functional.embedding_bag(torch.from_numpy(bag.words).to(device), weight, offsets, mode="sum",
+                                             per_sample_weights=values) + bias
+        if delta is not None:
+            logits += nn.functional.embedding_bag(torch.from_numpy(bag.columns).to(device), delta[1:], offsets,
+                                                  mode="sum", per_sample_weights=values) + delta[0]
+        return logits
 
     def inverse_preconditioner(self, preconditioner: dict[str, torch.Tensor] | None,
                                blocks: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -116,40 +127,43 @@ class SparseLogisticRegression(nn.Module):
 
     @staticmethod
     @torch.no_grad()
-    def local_sgd_step_(local: LocalRows, rows: np.ndarray, theta: torch.Tensor, labels: torch.Tensor,
-                        lr: float, inverse_a: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> float:
-        """One SGD step of the mean cross-entropy of rows ``rows`` on ``theta`` in place, in closed form;
-        returns the batch's mean loss before the step.
+    def local_sgd_step_(local: LocalRows, rows: np.ndarray, start: tuple[torch.Tensor, torch.Tensor],
+                        delta: torch.Tensor, labels: torch.Tensor, lr: float,
+                        inverse_a: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None), *,
+                        delta_is_zero: bool = False) -> float:
+        """One SGD step of the mean cross-entropy of rows ``rows`` at ``start + delta``, in closed form,
+        accumulated into ``delta`` in place; returns the batch's mean loss before the step.
 
-        .. math:: b \\leftarrow b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,\\quad
-                  W \\leftarrow W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
+        .. math:: \\Delta_b \\leftarrow \\Delta_b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,\\quad
+                  \\Delta_W \\leftarrow \\Delta_W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
 
-        The same step as autograd's gradient through :meth:`local_logits` (tested). The weight update
-        is one sparse-dense ``addmm`` accumulated into ``theta`` itself: O(nnz K) work and no ``(r, K)``
-        temporary (a gradient the size of the client's rows, allocated and zeroed every batch, cost
-        more than the arithmetic). AdaDPS (``inverse_a`` from :meth:`inverse_preconditioner`, A = 1
-        where None): a per-word ``A_W`` (``(r-1, 1)``) scales the sparse values of word ``w`` by
-        ``1 / A_w`` inside the same ``addmm``; a per-coordinate one (``(r-1, K)``) divides the product.
+        The same step as autograd's gradient through :meth:`local_logits` (tested). Training keeps the
+        delta, not the trained rows: the starting point is only read (the forward pass reads its
+        rows of the batch's words), so nothing of size ``(r, K)`` is gathered, copied or subtracted;
+        ``delta_is_zero`` (the first step) skips reading the delta. The weight update is one
+        sparse-dense ``addmm`` into ``delta``: O(nnz K) work and no ``(r, K)`` temporary. AdaDPS
+        (``inverse_a`` from :meth:`inverse_preconditioner`, A = 1 where None): a per-word ``A_W``
+        (``(r-1, 1)``) scales the sparse values of word ``w`` by ``1 / A_w`` inside the same ``addmm``;
+        a per-coordinate one (``(r-1, K)``) divides the product.
         """
         inv_w, inv_b = inverse_a
-        indices, offsets, weights = local.bag(rows)
-        device, batch = theta.device, len(rows)
-        idx, w = torch.from_numpy(indices).to(device), torch.from_numpy(weights).to(device)
-        logits = nn.functional.embedding_bag(idx, theta[1:], torch.from_numpy(offsets).to(device), mode="sum",
-                                             per_sample_weights=w) + theta[0]
+        bag = local.bag(rows)
+        logits = SparseLogisticRegression.local_logits(bag, start, None if delta_is_zero else delta)
+        device, batch = delta.device, len(rows)
         dlogits = torch.softmax(logits, dim=1)
-        at_label = (torch.arange(batch, device=device), labels)
-        loss = -float(dlogits[at_label].log().mean())  # the cross-entropy, from the softmax needed anyway
-        dlogits[at_label] -= 1.0
+        at_label = labels[:, None]
+        loss = -float(dlogits.gather(1, at_label).log_().mean())  # the cross-entropy, from the softmax needed anyway
+        dlogits.scatter_add_(1, at_label, torch.full((batch, 1), -1.0, device=device))
         dlogits.div_(batch)
         bias_grad = dlogits.sum(0)
-        theta[0].sub_(bias_grad if inv_b is None else bias_grad.mul_(inv_b), alpha=lr)
+        delta[0].sub_(bias_grad if inv_b is None else bias_grad.mul_(inv_b), alpha=lr)
+        idx, w = torch.from_numpy(bag.columns).to(device), torch.from_numpy(bag.values).to(device)
         if inv_w is not None and inv_w.shape[1] == 1:
             w = w * inv_w[idx, 0]
-        bag_of = torch.from_numpy(np.repeat(np.arange(batch, dtype=np.int64), np.diff(offsets, append=len(indices))))
-        xt = torch.sparse_coo_tensor(torch.stack([idx, bag_of.to(device)]), w, (theta.shape[0] - 1, batch),
+        row_of = torch.from_numpy(bag.row_of).to(device)
+        xt = torch.sparse_coo_tensor(torch.stack([idx, row_of]), w, (delta.shape[0] - 1, batch),
                                      check_invariants=False)  # in range by construction
-        weight = theta[1:]
+        weight = delta[1:]
         if inv_w is None or inv_w.shape[1] == 1:
             torch.addmm(weight, xt, dlogits, alpha=-lr, out=weight)
         else:
@@ -159,17 +173,32 @@ class SparseLogisticRegression(nn.Module):
 
 @dataclass(frozen=True)
 class LocalRows:
-    """A client's CSR rows with columns renumbered to its own words (``0..r-2``)."""
+    """A client's CSR rows: per stored value its word (``words``) and that word's position among the
+    client's words (``columns``, ``0..r-2``)."""
 
     indptr: np.ndarray
+    words: np.ndarray
     columns: np.ndarray
     values: np.ndarray
 
-    def bag(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``EmbeddingBag`` inputs (indices, offsets, per-sample weights) of ``rows``, in that order."""
+    def bag(self, rows: np.ndarray) -> Bag:
+        """``EmbeddingBag`` inputs of ``rows``, in that order."""
         starts = self.indptr[rows]
         lengths = self.indptr[rows + 1] - starts
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])
         positions = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
-        return self.columns[positions], offsets, self.values[positions]
+        row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+        return Bag(self.words[positions], self.columns[positions], self.values[positions], offsets, row_of)
+
+
+@dataclass(frozen=True)
+class Bag:
+    """The stored values of some rows, flattened, with their words, their positions among the
+    client's words, where each row starts (``offsets``) and the row of each value (``row_of``)."""
+
+    words: np.ndarray
+    columns: np.ndarray
+    values: np.ndarray
+    offsets: np.ndarray
+    row_of: np.ndarray

@@ -106,15 +106,16 @@ def test_preconditioned_closed_form_step_matches_autograd(shape):
     a_b = None if shape == "word" else torch.rand(K, generator=gen) + 0.5
     pre = {"embedding.weight": a_w} | ({} if a_b is None else {"bias": a_b})
     blocks, local = m.support_blocks(x)
-    theta = m.gather_blocks(blocks)
+    start = m.start_point()
+    delta = 0.2 * torch.randn(len(blocks), K, generator=gen)  # a later step: the delta is not zero
     rows = np.random.default_rng(2).permutation(x.shape[0])[:11]
-    th = theta.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(m.local_logits(local, rows, th), y[rows]), th)
+    d = delta.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(m.local_logits(local.bag(rows), start, d), y[rows]), d)
     divisor = torch.cat([(torch.ones(1, K) if a_b is None else a_b[None]),
                          a_w.index_select(0, blocks[1:] - 1).expand(-1, K)])
-    stepped = theta.clone()
-    m.local_sgd_step_(local, rows, stepped, y[rows], 0.7, m.inverse_preconditioner(pre, blocks))
-    assert torch.allclose(stepped, theta - 0.7 * grad / divisor, atol=1e-6)
+    stepped = delta.clone()
+    m.local_sgd_step_(local, rows, start, stepped, y[rows], 0.7, m.inverse_preconditioner(pre, blocks))
+    assert torch.allclose(stepped, delta - 0.7 * grad / divisor, atol=1e-6)
 
 
 def test_unit_preconditioner_is_plain_local_sgd_bit_for_bit():

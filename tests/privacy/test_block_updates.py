@@ -33,18 +33,45 @@ def test_local_logits_and_closed_form_step_match_the_full_model_and_autograd():
     m, x = _model(), _rows()
     y = torch.from_numpy(np.random.default_rng(1).integers(0, 7, x.shape[0]))
     blocks, local = m.support_blocks(x)
-    theta = m.gather_blocks(blocks)
+    start = m.start_point()
     rows = np.random.default_rng(2).permutation(x.shape[0])[:9]
-    assert torch.allclose(m.local_logits(local, rows, theta), m(x[rows]), atol=1e-6)
-    th = theta.clone().requires_grad_(True)
-    ref_loss = torch.nn.functional.cross_entropy(m.local_logits(local, rows, th), y[rows])
-    (ref_grad,) = torch.autograd.grad(ref_loss, th)
+    bag = local.bag(rows)
+    assert torch.allclose(m.local_logits(bag, start), m(x[rows]), atol=1e-6)
+    # at start + delta (a later step): the logits of the moved model, and autograd's step on the delta
+    delta = 0.3 * torch.randn(len(blocks), 7, generator=torch.Generator().manual_seed(4))
+    moved = _model()
+    with torch.no_grad():
+        moved.bias += delta[0]
+        moved.embedding.weight[blocks[1:] - 1] += delta[1:]
+    assert torch.allclose(m.local_logits(bag, start, delta), moved(x[rows]), atol=1e-6)
+    d = delta.clone().requires_grad_(True)
+    ref_loss = torch.nn.functional.cross_entropy(m.local_logits(bag, start, d), y[rows])
+    (ref_grad,) = torch.autograd.grad(ref_loss, d)
     lr = 0.7
-    stepped = theta.clone()
-    loss = m.local_sgd_step_(local, rows, stepped, y[rows], lr)
+    stepped = delta.clone()
+    loss = m.local_sgd_step_(local, rows, start, stepped, y[rows], lr)
     assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
-    assert torch.allclose(stepped, theta - lr * ref_grad, atol=1e-6)
-    assert not torch.equal(stepped[0], theta[0]) and not torch.equal(stepped[1:], theta[1:])
+    assert torch.allclose(stepped, delta - lr * ref_grad, atol=1e-6)
+    assert not torch.equal(stepped[0], delta[0]) and not torch.equal(stepped[1:], delta[1:])
+    # the first step may skip reading its (zero) delta: the same step
+    first, read = torch.zeros_like(delta), torch.zeros_like(delta)
+    m.local_sgd_step_(local, rows, start, first, y[rows], lr, delta_is_zero=True)
+    m.local_sgd_step_(local, rows, start, read, y[rows], lr)
+    assert torch.equal(first, read) and first.abs().max() > 0
+
+
+def test_training_from_a_flat_starting_point_equals_training_a_model_holding_it():
+    m, x = _model(), _rows(n=25)
+    y = np.random.default_rng(3).integers(0, 7, x.shape[0])
+    point = torch.randn(sum(p.numel() for p in m.parameters()), generator=torch.Generator().manual_seed(5))
+    holder = _model()
+    torch.nn.utils.vector_to_parameters(point, holder.parameters())
+    kw = dict(epochs=2, batch_size=10, lr=0.5)
+    from_point = local_sgd(m, x, y, rng=client_generator(0, 1, 4), start_from=point, **kw).update
+    from_holder = local_sgd(holder, x, y, rng=client_generator(0, 1, 4), **kw).update
+    assert torch.equal(from_point.indices, from_holder.indices)
+    assert torch.equal(from_point.values, from_holder.values)
+    assert not torch.equal(from_point.values, local_sgd(m, x, y, rng=client_generator(0, 1, 4), **kw).update.values)
 
 
 def test_support_blocks_are_the_update_support_as_whole_rows():
