@@ -172,7 +172,8 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
             y = torch.from_numpy(y_all[idx]).to(delta.device)
-            loss_sum += model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=first) * len(idx)
+            loss = model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=first)
+            loss_sum += loss * len(idx)
             first = False
     return LocalResult(update=SparseUpdate(blocks, delta, sum(p.numel() for p in model.parameters())),
                        train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)

@@ -69,7 +69,7 @@ class SparseLogisticRegression(nn.Module):
         return self.bias.numel()
 
     def support_blocks(self, x: sp.csr_matrix) -> tuple[torch.Tensor, LocalRows]:
-        """The blocks training on ``x`` reads or changes, and ``x`` with its columns also renumbered onto them.
+        """The blocks training on ``x`` reads or changes, and the rows of ``x`` for :meth:`local_logits`.
 
         Returns ``blocks`` (sorted, unique int64: 0 for the bias, ``1 + w`` for word ``w`` present in
         ``x``) and the rows of ``x`` keeping both its word columns and their positions among the
@@ -94,10 +94,11 @@ class SparseLogisticRegression(nn.Module):
         return rows[0], rows[1:]
 
     @staticmethod
-    def local_logits(bag: Bag, start: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the rows of ``bag`` (from :meth:`LocalRows.bag`) under ``start + delta``: ``start`` as from :meth:`start_point`,
-        ``delta`` block rows (``(r, K)``: bias, then the weight rows of the client's words; None: zero).
-        The same values as :meth:`forward` on those rows at that point.
+    def local_logits(bag: Bag, start: tuple[torch.Tensor, torch.Tensor],
+                     delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the rows of ``bag`` (from :meth:`LocalRows.bag`) under ``start + delta``: ``start``
+        as from :meth:`start_point`, ``delta`` block rows (``(r, K)``: bias, then the weight rows of
+        the client's words; None: zero). The same values as :meth:`forward` on those rows at that point.
 
         .. math:: z_i = (W_0 + \\Delta_W)^\\top x_i + b_0 + \\Delta_b
         """
@@ -134,8 +135,8 @@ class SparseLogisticRegression(nn.Module):
         """One SGD step of the mean cross-entropy of rows ``rows`` at ``start + delta``, in closed form,
         accumulated into ``delta`` in place; returns the batch's mean loss before the step.
 
-        .. math:: \\Delta_b \\leftarrow \\Delta_b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,\\quad
-                  \\Delta_W \\leftarrow \\Delta_W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
+        .. math:: \\Delta_b \\leftarrow \\Delta_b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,
+                  \\quad \\Delta_W \\leftarrow \\Delta_W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
 
         The same step as autograd's gradient through :meth:`local_logits` (tested). Training keeps the
         delta, not the trained rows: the starting point is only read (the forward pass reads its

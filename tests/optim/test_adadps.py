@@ -110,7 +110,8 @@ def test_preconditioned_closed_form_step_matches_autograd(shape):
     delta = 0.2 * torch.randn(len(blocks), K, generator=gen)  # a later step: the delta is not zero
     rows = np.random.default_rng(2).permutation(x.shape[0])[:11]
     d = delta.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(m.local_logits(local.bag(rows), start, d), y[rows]), d)
+    loss = torch.nn.functional.cross_entropy(m.local_logits(local.bag(rows), start, d), y[rows])
+    (grad,) = torch.autograd.grad(loss, d)
     divisor = torch.cat([(torch.ones(1, K) if a_b is None else a_b[None]),
                          a_w.index_select(0, blocks[1:] - 1).expand(-1, K)])
     stepped = delta.clone()
