@@ -244,13 +244,11 @@ class ProcessPool:
         pickle itself when it came ``inline``), fetching its large payloads from the ring; the ring
         is then free up to ``end``."""
         with memoryview(self._rings[w].view(RING_BYTES)) as ring:
-            if kind == "inline":
-                data = where
-            else:
-                start = where % RING_BYTES
-                data = ring[start:end - where + start]
-            unpickler = pickle.Unpickler(io.BytesIO(data))
-            unpickler.persistent_load = lambda pid: bytes(ring[pid[0] % RING_BYTES:pid[0] % RING_BYTES + pid[1]])
+            def at(position: int, length: int) -> memoryview:  # the ring's bytes written at ``position``
+                return ring[position % RING_BYTES:position % RING_BYTES + length]
+
+            unpickler = pickle.Unpickler(io.BytesIO(where if kind == "inline" else at(where, end - where)))
+            unpickler.persistent_load = lambda pid: bytes(at(*pid))
             result = unpickler.load()
         self._consumed[w] = end
         self._keep(batch, k, result)

@@ -103,14 +103,11 @@ class SparseLogisticRegression(nn.Module):
         .. math:: z_i = (W_0 + \\Delta_W)^\\top x_i + b_0 + \\Delta_b
         """
         bias, weight = start
-        device = weight.device
-        offsets = torch.from_numpy(bag.offsets).to(device)
-        values = torch.from_numpy(bag.values).to(device)
-        logits = nn.functional.embedding_bag(torch.from_numpy(bag.words).to(device), weight, offsets, mode="sum",
-                                             per_sample_weights=values) + bias
+        logits = nn.functional.embedding_bag(bag.words, weight, bag.offsets, mode="sum",
+                                             per_sample_weights=bag.values) + bias
         if delta is not None:
-            logits += nn.functional.embedding_bag(torch.from_numpy(bag.columns).to(device), delta[1:], offsets,
-                                                  mode="sum", per_sample_weights=values) + delta[0]
+            logits += nn.functional.embedding_bag(bag.columns, delta[1:], bag.offsets, mode="sum",
+                                                  per_sample_weights=bag.values) + delta[0]
         return logits
 
     def inverse_preconditioner(self, preconditioner: dict[str, torch.Tensor] | None,
@@ -148,9 +145,9 @@ class SparseLogisticRegression(nn.Module):
         a per-coordinate one (``(r-1, K)``) divides the product.
         """
         inv_w, inv_b = inverse_a
-        bag = local.bag(rows)
-        logits = SparseLogisticRegression.local_logits(bag, start, None if delta_is_zero else delta)
         device, batch = delta.device, len(rows)
+        bag = local.bag(rows, device)
+        logits = SparseLogisticRegression.local_logits(bag, start, None if delta_is_zero else delta)
         dlogits = torch.softmax(logits, dim=1)
         at_label = labels[:, None]
         loss = -float(dlogits.gather(1, at_label).log_().mean())  # the cross-entropy, from the softmax needed anyway
@@ -158,11 +155,10 @@ class SparseLogisticRegression(nn.Module):
         dlogits.div_(batch)
         bias_grad = dlogits.sum(0)
         delta[0].sub_(bias_grad if inv_b is None else bias_grad.mul_(inv_b), alpha=lr)
-        idx, w = torch.from_numpy(bag.columns).to(device), torch.from_numpy(bag.values).to(device)
+        idx, w = bag.columns, bag.values
         if inv_w is not None and inv_w.shape[1] == 1:
             w = w * inv_w[idx, 0]
-        row_of = torch.from_numpy(bag.row_of).to(device)
-        xt = torch.sparse_coo_tensor(torch.stack([idx, row_of]), w, (delta.shape[0] - 1, batch),
+        xt = torch.sparse_coo_tensor(torch.stack([idx, bag.row_of]), w, (delta.shape[0] - 1, batch),
                                      check_invariants=False)  # in range by construction
         weight = delta[1:]
         if inv_w is None or inv_w.shape[1] == 1:
@@ -182,15 +178,16 @@ class LocalRows:
     columns: np.ndarray
     values: np.ndarray
 
-    def bag(self, rows: np.ndarray) -> Bag:
-        """``EmbeddingBag`` inputs of ``rows``, in that order."""
+    def bag(self, rows: np.ndarray, device: str | torch.device = "cpu") -> Bag:
+        """``EmbeddingBag`` inputs of ``rows``, in that order, as tensors on ``device`` (moved there once)."""
         starts = self.indptr[rows]
         lengths = self.indptr[rows + 1] - starts
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])
-        positions = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
         row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
-        return Bag(self.words[positions], self.columns[positions], self.values[positions], offsets, row_of)
+        positions = (starts - offsets)[row_of] + np.arange(len(row_of), dtype=np.int64)
+        return Bag(*(torch.from_numpy(a).to(device) for a in (
+            self.words[positions], self.columns[positions], self.values[positions], offsets, row_of)))
 
 
 @dataclass(frozen=True)
@@ -198,8 +195,8 @@ class Bag:
     """The stored values of some rows, flattened, with their words, their positions among the
     client's words, where each row starts (``offsets``) and the row of each value (``row_of``)."""
 
-    words: np.ndarray
-    columns: np.ndarray
-    values: np.ndarray
-    offsets: np.ndarray
-    row_of: np.ndarray
+    words: torch.Tensor
+    columns: torch.Tensor
+    values: torch.Tensor
+    offsets: torch.Tensor
+    row_of: torch.Tensor
