@@ -49,6 +49,7 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
             cols = indices[rows_ptr[0]:rows_ptr[-1]]
             vals = data[rows_ptr[0]:rows_ptr[-1]]
             words, local_cols = np.unique(cols, return_inverse=True)
+            cols, local_cols = cols.astype(np.int64), local_cols.astype(np.int64, copy=False)  # once per user
             rows = torch.from_numpy(np.concatenate([[0], words.astype(np.int64) + 1]))
             delta = torch.zeros(len(rows), classes)  # local SGD accumulates x_local - x_t; x_t is only read
             y = np.asarray(labels[lo:hi], dtype=np.int64)
@@ -62,11 +63,12 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                     lengths = ptr[idx + 1] - ptr[idx]
                     offs = np.zeros(len(idx), dtype=np.int64)
                     np.cumsum(lengths[:-1], out=offs[1:])
-                    pos = np.repeat(ptr[idx] - offs, lengths) + np.arange(int(lengths.sum()))
+                    row_of = np.repeat(np.arange(len(idx), dtype=np.int64), lengths)
+                    pos = (ptr[idx] - offs)[row_of] + np.arange(len(row_of))
                     offsets = torch.from_numpy(offs)
-                    bag_words = torch.from_numpy(local_cols[pos].astype(np.int64))
+                    bag_words = torch.from_numpy(local_cols[pos])
                     bag_w = torch.from_numpy(vals[pos].astype(np.float32))
-                    logits = F.embedding_bag(torch.from_numpy(cols[pos].astype(np.int64)), params[1:], offsets,
+                    logits = F.embedding_bag(torch.from_numpy(cols[pos]), params[1:], offsets,
                                              mode="sum", per_sample_weights=bag_w) + params[0]
                     if not first:  # at x_t + delta
                         logits += F.embedding_bag(bag_words, delta[1:], offsets, mode="sum",
@@ -75,9 +77,8 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                     g_logits = torch.softmax(logits, 1)
                     g_logits[torch.arange(len(idx)), torch.from_numpy(y[idx])] -= 1.0
                     g_logits /= len(idx)
-                    bag_of = torch.from_numpy(np.repeat(np.arange(len(idx)), lengths))
-                    xt = torch.sparse_coo_tensor(torch.stack([bag_words, bag_of]), bag_w, (len(rows) - 1, len(idx)),
-                                                 check_invariants=False)
+                    xt = torch.sparse_coo_tensor(torch.stack([bag_words, torch.from_numpy(row_of)]), bag_w,
+                                                 (len(rows) - 1, len(idx)), check_invariants=False)
                     delta[0] -= client_lr * g_logits.sum(0)
                     weight = delta[1:]
                     torch.addmm(weight, xt, g_logits, alpha=-client_lr, out=weight)  # in place, no (r, K) temporary

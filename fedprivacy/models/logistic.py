@@ -80,7 +80,7 @@ class SparseLogisticRegression(nn.Module):
         blocks[0] = 0
         blocks[1:] = words
         blocks[1:] += 1
-        local = LocalRows(np.asarray(x.indptr, dtype=np.int64), x.indices.astype(np.int64),
+        local = LocalRows(np.asarray(x.indptr, dtype=np.int64), x.indices.astype(np.int64, copy=False),
                           local_cols.astype(np.int64, copy=False), np.asarray(x.data, dtype=np.float32))
         return torch.from_numpy(blocks).to(self.bias.device), local
 
