@@ -44,7 +44,7 @@ import torch
 
 from fedprivacy.optim.microadam import dequantize_4bit, quantize_4bit
 from fedprivacy.privacy.aggregation import SparseUpdate
-from fedprivacy.privacy.clipping import clip_scale
+from fedprivacy.privacy.clipping import clip_scale, exact_l2_norm
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def compress(update: SparseUpdate, residual: Residual | None, *, density: float,
     indices, owed = _owed(update, residual)
     keep = _top_k(indices, owed, density, tensor_sizes, update.dim)
     chosen = owed[keep]
-    sent = chosen * clip_scale(float(torch.linalg.vector_norm(chosen)), clip_norm)
+    sent = chosen * clip_scale(exact_l2_norm(chosen), clip_norm)
     left = owed.clone()
     left[keep] = 0.0
     nonzero = left != 0

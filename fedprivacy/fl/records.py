@@ -23,7 +23,7 @@ from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 from torch import nn
 
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 
 
 _NPY_MAGIC_1_0 = b"\x93NUMPY\x01\x00"
@@ -58,22 +58,33 @@ def _array(ndarray: np.ndarray) -> Array:
 
 
 def _view(arr: Array) -> np.ndarray:
-    """``arr.numpy()`` without the copy: a READ-ONLY view over the message's bytes. The header must
-    be exactly the one ``np.save`` writes for the ``Array``'s own dtype and shape (and the data its
-    size); anything else goes through ``np.load``."""
+    """``arr.numpy()`` without the copy: a READ-ONLY view over the message's bytes.
+
+    The payload must be what the ``Array``'s own metadata says: its real dtype (byte order
+    included) and shape are checked against ``arr.dtype`` and ``arr.shape``, and anything else
+    raises ``ValueError`` naming the mismatch (a float16 or big-endian payload behind float32
+    metadata would otherwise be read as something else). When the header is exactly the one
+    ``np.save`` writes, the array is a view; any other valid header goes through ``np.load``.
+    """
     if arr.stype != SType.NUMPY:
-        return arr.numpy()  # raises Flower's TypeError
+        raise ValueError(f"array stype is {arr.stype!r}, expected {SType.NUMPY!r}")
     try:
         dtype = np.dtype(arr.dtype)
-    except TypeError:
-        return arr.numpy()
-    shape = tuple(int(n) for n in arr.shape)
-    header = _npy_header(dtype, shape)
+        shape = tuple(int(n) for n in arr.shape)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"array metadata is not a numpy dtype and shape ({err})") from None
+    header = _npy_header(dtype, shape) if all(n >= 0 for n in shape) else None
     count = math.prod(shape)
-    if (header is None or len(arr.data) != len(header) + count * dtype.itemsize
-            or arr.data[:len(header)] != header):
-        return arr.numpy()
-    return np.frombuffer(arr.data, dtype=dtype, count=count, offset=len(header)).reshape(shape)
+    if (header is not None and len(arr.data) == len(header) + count * dtype.itemsize
+            and arr.data[:len(header)] == header):
+        return np.frombuffer(arr.data, dtype=dtype, count=count, offset=len(header)).reshape(shape)
+    try:
+        real = arr.numpy()
+    except Exception as err:  # noqa: BLE001 -- the bytes are untrusted: any failure to parse them is a rejection
+        raise ValueError(f"array bytes are not a .npy payload ({type(err).__name__}: {err})") from None
+    if real.dtype != dtype or real.shape != shape:
+        raise ValueError(f"array payload is {real.dtype.str}{real.shape} but its metadata says {dtype.str}{shape}")
+    return real
 
 
 with warnings.catch_warnings():  # torch warns ONCE per process that it cannot mark a read-only view
@@ -98,24 +109,41 @@ def update_to_record(update: SparseUpdate) -> ArrayRecord:
     return ArrayRecord({"indices": _array(indices), "values": _array(values)})
 
 
-def record_to_update(record: object, dim: int, device: str | torch.device = "cpu") -> SparseUpdate | None:
-    """Decode a client's update; ``None`` if the record is not an update of dimension ``dim``.
+def record_to_update(record: object, dim: int, device: str | torch.device = "cpu") -> SparseUpdate:
+    """Decode a client's update of dimension ``dim`` (validated further by ``PrivateSum.add_``).
 
-    The tensors are read-only views over the message's bytes when ``device`` is the CPU (no copy):
-    consumers must not modify them in place (``PrivateSum.add_`` does not).
+    The contract: ``{"values": float32[dim]}`` (dense), ``{"indices": int[k], "values": float32[k]}``
+    (flat COO) or ``{"indices": int[r], "values": float32[r, b]}`` (block rows), native-byte-order
+    ``.npy`` payloads, int32 or int64 indices. Raises :class:`RejectedUpdate` with reason
+    ``"malformed"`` (not such a record) or ``"dtype"`` (a payload whose real or declared dtype or
+    byte order is not the contract's). The tensors are read-only views over the message's bytes
+    when ``device`` is the CPU (no copy): consumers must not modify them in place.
     """
-    if not isinstance(record, ArrayRecord) or set(record.keys()) not in ({"values"}, {"indices", "values"}):
-        return None
-    values = record["values"]
-    if values.dtype != "float32" or len(values.shape) not in (1, 2) or (len(values.shape) == 2 and "indices" not in record):
-        return None
-    vals = _tensor(_view(values)).to(device)
+    if not isinstance(record, ArrayRecord):
+        raise RejectedUpdate("malformed", f"'arrays' is {type(record).__name__}, not an ArrayRecord")
+    if set(record.keys()) not in ({"values"}, {"indices", "values"}):
+        raise RejectedUpdate("malformed", f"array keys {sorted(record.keys())}, expected 'values' (+ 'indices')")
+    values = _contract_view(record, "values", ("float32",))
+    if values.ndim not in (1, 2) or (values.ndim == 2 and "indices" not in record):
+        raise RejectedUpdate("malformed", f"values of shape {values.shape}")
+    vals = _tensor(values).to(device)
     if "indices" not in record:
         return SparseUpdate(None, vals, dim)
-    indices = record["indices"]
-    if indices.dtype not in ("int32", "int64") or len(indices.shape) != 1:
-        return None
-    return SparseUpdate(_tensor(_view(indices)).to(device, torch.int64), vals, dim)  # int32: widened (a copy)
+    indices = _contract_view(record, "indices", ("int32", "int64"))
+    if indices.ndim != 1:
+        raise RejectedUpdate("malformed", f"indices of shape {indices.shape}")
+    return SparseUpdate(_tensor(indices).to(device, torch.int64), vals, dim)  # int32: widened (a copy)
+
+
+def _contract_view(record: ArrayRecord, key: str, dtypes: tuple[str, ...]) -> np.ndarray:
+    """``record[key]`` as a view whose declared AND real dtype is one of ``dtypes``, in the native byte order."""
+    arr = record[key]
+    if arr.dtype not in dtypes:
+        raise RejectedUpdate("dtype", f"{key} declared {arr.dtype!r}, expected one of {list(dtypes)}")
+    try:
+        return _view(arr)  # its real dtype is then exactly the declared native one
+    except ValueError as err:
+        raise RejectedUpdate("dtype", f"{key}: {err}") from None
 
 
 def record_to_vector(record: object, model: nn.Module, device: str | torch.device = "cpu") -> torch.Tensor | None:

@@ -13,9 +13,18 @@ or dense. Clipping the listed values IS clipping the whole vector, because the i
 strictly increasing and in range: a repeated index would let a client add more than its clipped
 norm, so such an update is rejected.
 
-Rejections (invariants 11 and 12): a reply that is missing, failed, malformed, or holds NaN/Inf
-contributes zero. Nothing about a rejection changes the noise or the divisor (under the distributed
-placement a rejected upload's noise share is topped up by the server).
+Exact sensitivity: the norm is computed in float64 (the squares of float32 values are exact there,
+and a 5M-term float64 sum errs by < 1e-9 relative), so no reply can hide mass from it the way it can
+from a float32 sum (tiny entries whose squares vanish beside a few large ones: 1.018 C measured).
+The clip targets ``C (1 - 2^-20)``: that margin absorbs the float32 rounding of the scale and of
+each scaled value and the float64 sum's error, so the contribution actually added has L2 norm
+``<= C`` computed exactly. Values must be float32 and indices int64 (what :mod:`fedprivacy.fl.records`
+decodes after checking the payload's real dtype, byte order and shape against the contract).
+
+Rejections (invariants 11 and 12): a reply that is missing, failed, malformed, of the wrong dtype,
+holds NaN/Inf, or (sample-level DP clients) carries no valid accounting event contributes zero,
+counted by reason (:data:`REJECTION_REASONS`). Nothing about a rejection changes the noise or the
+divisor (under the distributed placement a rejected upload's noise share is topped up by the server).
 
 Privacy: MECHANISM stage. Everything downstream (server optimizer, filters) sees only ``g_t``.
 References: McMahan et al. 2018, arXiv:1710.06963v3, Alg. 1 (DP-FedAvg with fixed denominator).
@@ -28,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedprivacy.privacy.clipping import clip_scale
+from fedprivacy.privacy.clipping import clip_scale, exact_l2_norm
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, server_noise_std
 
@@ -79,10 +88,21 @@ class SparseUpdate:
         return out
 
 
-def _all_finite(values: torch.Tensor, norm: float) -> bool:
-    """No NaN/Inf in ``values`` (whose L2 norm is ``norm``). A finite norm proves it (the common
-    case); only a non-finite one (NaN/Inf present, or squares overflowing) needs the element-wise check."""
-    return math.isfinite(norm) or bool(torch.isfinite(values).all())
+REJECTION_REASONS = ("failed", "malformed", "dtype", "nonfinite", "unaccounted")
+"""Why a reply contributes zero: the client reported an error; its record is not an update of the
+contract (keys, shape, dimension, indices); its payload's dtype or byte order is not the contract's
+(or not what its own metadata says); it holds NaN/Inf; it trained with sample-level DP but sent no
+valid accounting event."""
+
+
+class RejectedUpdate(ValueError):
+    """A reply that contributes zero, with its reason (one of :data:`REJECTION_REASONS`)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass
@@ -91,8 +111,9 @@ class AggregationStats:
 
     received: int = 0
     accepted: int = 0
-    rejected_nonfinite: int = 0
-    rejected_malformed: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTION_REASONS, 0))
+    first_rejection: dict[str, str] = field(default_factory=dict)
+    """reason -> the first rejected reply's source and detail (for one warning per reason)."""
     clipped: int = 0
     norms: list[float] = field(default_factory=list)
 
@@ -101,11 +122,15 @@ class AggregationStats:
         return {
             "cohort_received": float(self.received),
             "cohort_accepted": float(self.accepted),
-            "rejected_nonfinite": float(self.rejected_nonfinite),
-            "rejected_malformed": float(self.rejected_malformed),
+            **{f"rejected_{reason}": float(n) for reason, n in self.rejected.items()},
             "clipped_fraction": self.clipped / self.accepted if self.accepted else 0.0,
             "update_norm_median": float(norms.median()),
         }
+
+    def rejection_warnings(self) -> list[str]:
+        """One line per reason that rejected a reply: the count and the first example."""
+        return [f"{n} update(s) rejected as zero ({reason}), first: {self.first_rejection[reason]}"
+                for reason, n in self.rejected.items() if n]
 
 
 class PrivateSum:
@@ -124,19 +149,31 @@ class PrivateSum:
         self._sum = torch.zeros(dim, dtype=torch.float32, device=device)
         self.stats = AggregationStats()
 
-    def add_(self, update: SparseUpdate | None) -> bool:
+    def reject(self, reason: str, source: object = "?", detail: str = "") -> None:
+        """Count a reply that contributes zero (one of :data:`REJECTION_REASONS`)."""
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        self.stats.received += 1
+        self.stats.rejected[reason] += 1
+        self.stats.first_rejection.setdefault(reason, f"{source}: {detail}" if detail else str(source))
+
+    def add_(self, update: SparseUpdate, source: object = "?") -> bool:
         """Clip ``update`` and add it (its tensors are never written); return whether it was accepted.
 
-        ``None`` stands for a reply that failed or carried the wrong arrays.
+        Rejected (counted by reason, contributes zero): malformed, values not float32, NaN/Inf.
+        ``source`` names the reply in the rejection warning.
         """
+        if not update.is_well_formed(self._sum.numel()):
+            self.reject("malformed", source, "not a well-formed update of this dimension")
+            return False
+        if update.values.dtype != self._sum.dtype:
+            self.reject("dtype", source, f"values are {update.values.dtype}, expected {self._sum.dtype}")
+            return False
+        norm = exact_l2_norm(update.values)
+        if not math.isfinite(norm):  # a float64 norm of finite float32 values is finite: NaN/Inf present
+            self.reject("nonfinite", source, "NaN or Inf values")
+            return False
         self.stats.received += 1
-        if update is None or not update.is_well_formed(self._sum.numel()):
-            self.stats.rejected_malformed += 1
-            return False
-        norm = float(torch.linalg.vector_norm(update.values))
-        if not _all_finite(update.values, norm):
-            self.stats.rejected_nonfinite += 1
-            return False
         # central: clip(u) = scale * u, folded into the accumulation below; otherwise the upload
         # is already clipped and noised on the client (its norm is mostly noise)
         scale = clip_scale(norm, self.clip_norm) if self.placement == "central" else 1.0

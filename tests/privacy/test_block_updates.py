@@ -10,7 +10,7 @@ from flwr.app import Array
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.fl.records import _array, _view, model_to_record, record_to_update, update_to_record, vector_to_record
 from fedprivacy.models.logistic import SparseLogisticRegression
-from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 
 
 def _rows(n=13, vocab=40, seed=0) -> sp.csr_matrix:
@@ -122,7 +122,7 @@ def test_block_update_validation_and_private_sum_match_flat_coo():
     assert torch.equal(vals, torch.arange(6, dtype=torch.float32).reshape(2, 3) + 1)  # not mutated
     c = PrivateSum(dim, clip_norm=2.0, noise_multiplier=0.0, expected_cohort=1.0)
     assert not c.add_(SparseUpdate(torch.tensor([1, 3]), torch.tensor([[1.0, float("nan"), 0], [0, 0, 0]]), dim))
-    assert c.stats.rejected_nonfinite == 1
+    assert c.stats.rejected["nonfinite"] == 1
 
 
 def test_block_update_round_trips_through_its_record_and_encoding_matches_np_save():
@@ -133,7 +133,8 @@ def test_block_update_round_trips_through_its_record_and_encoding_matches_np_sav
               np.array(2.5, np.float32)):
         assert _array(a).data == Array(a).data
         assert np.array_equal(_view(Array(a)), a) and _view(Array(a)).shape == a.shape
-    assert record_to_update(update_to_record(SparseUpdate(None, torch.ones(2, 8), 16)), 16) is None  # 2-D needs indices
+    with pytest.raises(RejectedUpdate, match="values of shape"):  # 2-D needs indices
+        record_to_update(update_to_record(SparseUpdate(None, torch.ones(2, 8), 16)), 16)
 
 
 def test_the_broadcast_of_a_vector_is_the_models_record_after_loading_it_and_leaves_the_model_alone():

@@ -59,13 +59,14 @@ def test_nonfinite_and_malformed_updates_contribute_zero_and_do_not_change_noise
     s = _sum(noise_multiplier=1.0)
     assert s.add_(SparseUpdate.dense(torch.tensor([float("nan")] * 6))) is False
     assert s.add_(SparseUpdate(torch.tensor([2]), torch.tensor([float("inf")]), 6)) is False
-    assert s.add_(None) is False
+    s.reject("failed", "node 3", "its ClientApp raised")
     assert s.add_(SparseUpdate.dense(torch.ones(5))) is False  # wrong dimension
     assert s.add_(SparseUpdate.dense(good.clone())) is True
     out = s.release(GaussianNoise(7))
     assert torch.equal(out, expected)
     st = s.stats
-    assert (st.received, st.accepted, st.rejected_nonfinite, st.rejected_malformed) == (5, 1, 2, 2)
+    assert (st.received, st.accepted, st.rejected["nonfinite"], st.rejected["malformed"], st.rejected["failed"]) == \
+        (5, 1, 2, 1, 1)
 
 
 def test_one_dense_draw_per_release_from_the_dedicated_generator():
@@ -134,7 +135,7 @@ def test_sparse_update_with_repeated_unsorted_or_out_of_range_indices_is_rejecte
     # a repeated index would add more than the clipped norm: the sensitivity bound would break
     s = _sum(clip=1.0, dim=6)
     assert s.add_(SparseUpdate(torch.tensor(indices), torch.ones(3), 6)) is False
-    assert s.stats.rejected_malformed == 1
+    assert s.stats.rejected["malformed"] == 1
     assert torch.equal(s.release(GaussianNoise(0)), torch.zeros(6))
 
 
