@@ -257,9 +257,12 @@ def _port_open(host: str, port: int) -> bool:
 
 
 # -- configuration --------------------------------------------------------------------------------
-def deployment_config(cfg: RunConfig, supernodes: int | None, population: int) -> RunConfig:
+def deployment_config(cfg: RunConfig, supernodes: int | None, population: int, reproducible: bool = False) -> RunConfig:
     """The config the deployment runs: population = number of SuperNodes (the first N users),
-    absolute paths (the apps run in other working directories)."""
+    absolute paths (the apps run in other working directories), and the server's noise and cohort
+    from the OS's cryptographic source (``privacy.secure_noise``) unless ``reproducible`` (a seeded
+    prototype: the draws can then be rebuilt from the config's seed). The SuperNodes' own noise is
+    always secret (:func:`fedprivacy.fl.client_app.build_client_app`)."""
     n = population if supernodes is None else supernodes
     if n < 1:
         raise ConfigError("--supernodes must be at least 1")
@@ -271,6 +274,8 @@ def deployment_config(cfg: RunConfig, supernodes: int | None, population: int) -
     tree = json.loads(cfg.to_json())
     tree["output_dir"] = str(Path(cfg.output_dir).resolve())
     tree["data"]["path"] = str(Path(cfg.data.path).resolve())
+    if not reproducible:
+        tree["privacy"]["secure_noise"] = True
     if n < population:
         log.info("deployment population: %d SuperNodes = the first %d of %d users (data.max_clients=%d)",
                  n, n, population, n)
@@ -539,7 +544,8 @@ def _progress_line(row: dict[str, str]) -> str:
             f"test accuracy {num('test_accuracy', '.4f')}; {num('seconds', '.1f')}s")
 
 
-def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool = True, resume: bool = False,
+def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool = True, reproducible: bool = False,
+                 resume: bool = False,
                  timeout: float | None = None, on_supernode_exit: SupernodePolicy = "continue", echo: bool = False,
                  on_round: RoundHook | None = None, printer: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``cfg`` on a local deployment with ``supernodes`` SuperNodes; return the run's summary.
@@ -547,6 +553,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     ``on_supernode_exit`` says what happens when a SuperNode process exits on its own: ``continue``
     (its clients are dropouts until it is restarted), ``restart`` (start it again; it rejoins with the
     same node id) or ``abort`` (stop the deployment). The SuperLink exiting always aborts.
+    ``reproducible`` keeps the server's noise and cohort seeded (see :func:`deployment_config`).
     ``on_round(deployment, row)`` is called after each round's metrics row appears (tests use it to
     kill and restart SuperNodes).
     """
@@ -555,7 +562,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
 
     ensure_data(cfg.data)
     population = load_task(cfg.data).population
-    run_cfg = deployment_config(cfg, supernodes, population)
+    run_cfg = deployment_config(cfg, supernodes, population, reproducible)
     out = Path(run_cfg.output_dir)
     if (out / CHECKPOINT).exists() and not resume:
         raise RunExistsError(f"{out} already holds a run ({CHECKPOINT}); pass --resume to continue it "

@@ -104,8 +104,16 @@ def sample_dp_config(s: SampleDPClientConfig) -> SampleDPConfig:
 
 def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None) -> ClientApp:
     """A ClientApp bound to ``cfg`` (or reading it from Flower's run config when ``cfg`` is None),
-    with optional Flower mods (client-side middleware) wrapped around it."""
+    with optional Flower mods (client-side middleware) wrapped around it.
+
+    Client-side noise (distributed shares, local noise, record-level DP) is seeded from the run seed
+    only in a SIMULATION, i.e. an app bound to ``cfg`` by fedprivacy's own engines (in-process, Ray).
+    The app that Flower loads on a real SuperNode (``cfg`` None, the config comes from the server)
+    always draws it from the OS's cryptographic source: a seed the server knows, or could set,
+    would let the server subtract the noise that is meant to protect the client from it.
+    """
     app = ClientApp(mods=mods)
+    simulated = cfg is not None
     lookaheads = _LastDecoded()
     def run_config(context: Context) -> RunConfig:
         return cfg if cfg is not None else config_from_context(context)[0]
@@ -120,6 +128,9 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         c = run_config(context)
         partition = int(context.node_config["partition-id"])
         server_round = int(msg.content["config"]["server-round"])
+        secret = c.privacy.secure_noise or not simulated
+        # a re-run of released rounds (the server's noise epoch > 0) draws fresh streams
+        epoch = (int(msg.content["config"]["noise-epoch"]),) if "noise-epoch" in msg.content["config"] else ()
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
         task = load_task(c.data)
@@ -138,10 +149,11 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         if s is not None:  # record-level DP; the config excludes DiSK's lookahead
             from fedprivacy.client.sample_dp import event_metrics, train_sample_dp_softmax  # Opacus, on demand
 
-            seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition])
+            seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition, *epoch])
             result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
-                                             target_delta=s.target_delta, accountant=s.accountant,
-                                             secure_noise=c.privacy.secure_noise,
+                                             target_delta=s.target_delta, delta_factor=s.delta_factor,
+                                             accountant=s.accountant,
+                                             secure_noise=secret,
                                              preconditioner=None if side is None else
                                              (side["embedding.weight"], side.get("bias")))
             update = SparseUpdate.dense(result.delta)
@@ -161,7 +173,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         p = c.privacy
         if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
             std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort)
-            noise = GaussianNoise(c.seed, device=c.device, secure=p.secure_noise, stream=(server_round, partition))
+            noise = GaussianNoise(c.seed, device=c.device, secure=secret, stream=(server_round, partition, *epoch))
             update = SparseUpdate.dense(privatize_upload_(update.to_dense().clone(), p.clip_norm, std, noise))
         content = RecordDict({
             "arrays": update_to_record(update),

@@ -44,8 +44,9 @@ from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.placement import local_upload_event, released_noise_variance
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
-from fedprivacy.privacy.aggregation import PrivateSum
+from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.release_log import ReleaseLog, draw_id, rekeyed_seed
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.task import TagPredictionTask, load_task
 
@@ -146,8 +147,8 @@ class DPFedAvgServer:
         self.delta = p.delta if p.delta is not None else 1.0 / self.claim_population
         self.model = task.new_model(cfg.device)
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
-        self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, cfg.seed)
-        self.noise = GaussianNoise(cfg.seed, device=cfg.device, secure=p.secure_noise)
+        self.epoch = 0  # > 0 after a resume that re-runs released rounds (fedprivacy.privacy.release_log)
+        self._seed_generators()
         self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model)
         self.adaptive_clip = (AdaptiveClip(p.clip_norm, target_quantile=p.adaptive_clipping.target_quantile,
                                            learning_rate=p.adaptive_clipping.learning_rate,
@@ -158,8 +159,34 @@ class DPFedAvgServer:
         self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise, sample-level DP), per client
         self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
         self.round = 0
+        self.empty_rounds: list[int] = []  # rounds in which no sampled client's update was accepted
         self.outputs = RunOutputs(cfg)
+        self.releases = ReleaseLog(self.outputs.dir)  # write-ahead: every release, before its noise is added
         self.grid: Grid | None = None
+
+    def _seed_generators(self) -> None:
+        """The cohort sampler and the noise generator, from the run seed re-keyed for ``self.epoch``
+        (or from the OS's cryptographic source with ``privacy.secure_noise``: then neither the noise nor
+        the cohort can be rebuilt from the config)."""
+        p = self.cfg.privacy
+        seed = rekeyed_seed(self.cfg.seed, self.epoch)
+        self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, seed, secure=p.secure_noise)
+        self.noise = GaussianNoise(seed, device=self.cfg.device, secure=p.secure_noise)
+
+    def _account_lost_releases(self) -> None:
+        """Compose the releases the write-ahead log holds beyond the (restored) ledger into it and
+        re-key the generators, so that no re-run round reuses a noise draw or a cohort."""
+        lost = self.releases.lost_since(self.ledger)
+        if not lost:
+            self.epoch = self.releases.epoch
+            return
+        for event in lost:
+            self.ledger.compose(event)
+        self.epoch = self.releases.start_epoch()
+        self._seed_generators()
+        log.warning("%d release(s) were made after the checkpoint (round %d) and are accounted in the ledger; "
+                    "the rounds after it run again with fresh noise and cohorts (epoch %d)",
+                    len(lost), self.round, self.epoch)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -173,6 +200,7 @@ class DPFedAvgServer:
             "disk": self.disk.state_dict() if self.disk else None,
             "adaptive_clip": self.adaptive_clip.state_dict() if self.adaptive_clip else None,
             "client_ledgers": self.client_ledgers.state_dict(),
+            "empty_rounds": list(self.empty_rounds),
             "side_information": self.side_info.state_dict() if self.side_info else None,
             # clients' own state where this engine holds it (in-process); real SuperNodes keep theirs
             "node_states": self.grid.node_state_dict() if hasattr(self.grid, "node_state_dict") else None,
@@ -190,6 +218,7 @@ class DPFedAvgServer:
         if self.adaptive_clip:
             self.adaptive_clip.load_state_dict(state["adaptive_clip"])
         self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})  # absent before placements existed
+        self.empty_rounds = list(state.get("empty_rounds", []))
         if self.side_info:
             self.side_info.load_state_dict(state["side_information"])
 
@@ -217,7 +246,13 @@ class DPFedAvgServer:
                    "in client_privacy.csv)" if self.cfg.client.sample_dp is not None else "")
         side = ("; AdaDPS side information built from public inputs only (provenance in side_information.json)"
                 if self.side_info else "")
-        return f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}{records}{side}"
+        randomness = ("server noise and cohort drawn from the OS's cryptographic source" if p.secure_noise else
+                      f"SIMULATION: the server's noise and the cohort are reproducible from seed {self.cfg.seed} "
+                      "(privacy.secure_noise makes them unpredictable)")
+        clients = ("; client-side noise from the seed on fedprivacy's simulation engines, from each device's "
+                   "cryptographic source on real SuperNodes" if p.placement != "central" or records else "")
+        return (f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}{records}{side}; "
+                f"{randomness}{clients}")
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         vector_to_parameters(self.params, self.model.parameters())
@@ -246,6 +281,7 @@ class DPFedAvgServer:
                 log.warning("this engine keeps no client state across a resume: uplink residuals restart at zero")
         else:
             self.outputs.save_model("initial_model.pt", self._model_state())
+        self._account_lost_releases()
         nodes = discover_nodes(grid, self.population)
         stop_reason = "rounds"
         while self.round < self.cfg.rounds:
@@ -264,6 +300,7 @@ class DPFedAvgServer:
                    "noise_multiplier": self.cfg.privacy.noise_multiplier,
                    "majority_baseline_accuracy": self.task.majority_baseline,
                    "privacy_claim": self.privacy_claim(),
+                   "releases": self.ledger.rounds, "rounds_with_no_accepted_update": self.empty_rounds,
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
         if self.side_info:
             summary["side_information"] = self.side_info.builds[-1]
@@ -285,6 +322,25 @@ class DPFedAvgServer:
         else:
             self.optimizer.step_(self.params, g)
 
+    def _accept(self, reply: Message, partition: int) -> tuple[SparseUpdate, dict[str, float]]:
+        """A reply's update and its numeric metrics, or :class:`RejectedUpdate` with the reason. Composes
+        the client-side releases it reports (local noise, record-level DP) into that client's ledger:
+        a client that trained with record-level DP but reports no valid event is rejected."""
+        if reply.has_error():
+            raise RejectedUpdate("failed", reply.error.reason)
+        p, content = self.cfg.privacy, reply.content
+        metrics = {k: float(v) for k, v in (content.metric_records.get("metrics") or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.cfg.client.sample_dp is not None:  # its record-level DP steps
+            try:
+                step_event, steps, client_delta = event_from_metrics(content["metrics"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise RejectedUpdate("unaccounted", f"no valid sample-DP event ({err})") from None
+            self.client_ledgers.compose(partition, step_event, steps, delta=client_delta)
+        if p.placement == "local":  # the client released a noised upload
+            self.client_ledgers.compose(partition, local_upload_event(p.noise_multiplier))
+        return record_to_update(content.array_records.get("arrays"), self.params.numel(), self.cfg.device), metrics
+
     def _run_round(self, grid: Grid, nodes: list[int], event: Any) -> None:
         t0 = time.perf_counter()
         if self.side_info:
@@ -294,6 +350,8 @@ class DPFedAvgServer:
         self.round += 1
         cohort = self.sampler.sample()
         config = {"server-round": self.round}
+        if self.epoch:  # a re-run of released rounds: simulated clients draw fresh noise streams too
+            config["noise-epoch"] = self.epoch
         content = {"arrays": vector_to_record(self.params, self.model)}
         lookahead = self.disk.lookahead(self.params) if self.disk else None
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
@@ -331,33 +389,28 @@ class DPFedAvgServer:
             expected.discard(src)
             if self.side_info:
                 self.side_info.acknowledge(src, not reply.has_error())
-            if p.placement == "local" and not reply.has_error():  # the client released a noised upload
-                self.client_ledgers.compose(partition_of[src], local_upload_event(p.noise_multiplier))
-            if self.cfg.client.sample_dp is not None and not reply.has_error():  # its record-level DP steps
-                try:
-                    step_event, steps, client_delta = event_from_metrics(reply.content["metrics"])
-                except (KeyError, TypeError, ValueError) as err:
-                    log.warning("round %d: node %s sent no valid sample-DP event (%s); its record-level privacy "
-                                "is unaccounted and it contributes zero", self.round, src, err)
-                    agg.add_(None)
-                    continue
-                self.client_ledgers.compose(partition_of[src], step_event, steps, delta=client_delta)
-            if reply.has_error():
-                log.warning("round %d: node %s failed (%s); it contributes zero", self.round, src, reply.error.reason)
-                agg.add_(None)
+            try:
+                update, metrics = self._accept(reply, partition_of[src])
+            except RejectedUpdate as err:
+                agg.reject(err.reason, f"node {src}", str(err))
                 continue
-            arrays = reply.content.get("arrays")  # not an ArrayRecord: decodes to None
-            update = record_to_update(arrays, self.params.numel(), self.cfg.device)
-            if agg.add_(update):
-                losses.append(float(reply.content["metrics"]["train_loss"]))
-                uplink.append(record_nbytes(arrays))
-                residual_bytes.append(float(reply.content["metrics"].get("residual-bytes", 0.0)))
-            elif update is not None:
-                log.warning("round %d: node %s sent a non-finite update; rejected as zero", self.round, src)
+            if agg.add_(update, f"node {src}"):
+                uplink.append(record_nbytes(reply.content["arrays"]))
+                if "train_loss" in metrics:
+                    losses.append(metrics["train_loss"])
+                residual_bytes.append(metrics.get("residual-bytes", 0.0))
         dropped = len(expected)
+        for line in agg.stats.rejection_warnings():
+            log.warning("round %d: %s", self.round, line)
+        if cohort.size and not agg.stats.accepted:
+            self.empty_rounds.append(self.round)
+            log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
+                      self.round, len(cohort))
         if isinstance(self.optimizer, ServerAdamBC):  # this round's Phi_t (C_t moves under adaptive clipping)
             self.optimizer.set_phi(released_noise_variance(p.placement, agg.noise_multiplier, agg.clip_norm,
                                                            agg.expected_cohort))
+        draw = draw_id(self.noise.state_dict()["generator"]) if agg.server_noise_std() > 0 else None
+        self.releases.record(self.ledger, self.round, event, draw)  # durable BEFORE the noise is added
         self._privatize_and_step(agg)
         if self.adaptive_clip:  # its count draw follows the value draw on the same generator
             st = agg.stats

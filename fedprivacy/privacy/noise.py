@@ -1,6 +1,6 @@
-"""The Gaussian mechanism's noise source (ARCHITECTURE invariants 3 and 4).
+r"""The Gaussian mechanism's noise source (ARCHITECTURE invariants 3 and 4).
 
-One dense draw :math:`\\mathcal N(0, \\sigma^2 C^2 I_d)` per round over all ``d`` coordinates,
+One dense draw :math:`\mathcal N(0, \sigma^2 C^2 I_d)` per round over all ``d`` coordinates,
 from a generator that nothing else draws from or reseeds. Its state is part of the checkpoint
 so a resumed run draws exactly the noise an uninterrupted run would have drawn.
 

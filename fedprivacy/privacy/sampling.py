@@ -5,10 +5,14 @@
 - :class:`FixedSizeSampler`: exactly ``m`` of ``N`` users without replacement. Accounted as
   ``SampledWithoutReplacementDpEvent`` (replace-one neighbours).
 
-Both draw from their own ``numpy`` generator whose state is checkpointed.
+Both draw from their own ``numpy`` generator whose state is checkpointed: seeded from the run seed
+(reproducible, predictable by whoever knows it) or, ``secure=True``, from the OS's cryptographic
+source, so that the cohort is as secret as the amplification by sampling assumes.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
@@ -20,7 +24,7 @@ SAMPLING_STREAM = 0x73616D706C65  # "sample"
 class _Sampler:
     kind: str
 
-    def __init__(self, population: int, expected_cohort: int, seed: int) -> None:
+    def __init__(self, population: int, expected_cohort: int, seed: int, secure: bool = False) -> None:
         if population < 1:
             raise ValueError(f"population must be >= 1, got {population}")
         if not 1 <= expected_cohort <= population:
@@ -29,7 +33,8 @@ class _Sampler:
             )
         self.population = population
         self.expected_cohort = expected_cohort
-        self._rng = np.random.default_rng(np.random.SeedSequence([seed, SAMPLING_STREAM]))
+        entropy = secrets.randbits(128) if secure else [seed, SAMPLING_STREAM]
+        self._rng = np.random.default_rng(np.random.SeedSequence(entropy))
 
     def round_event(self, noise_multiplier: float) -> GaussianRound:
         """The accounting event of one round released with this sampler."""
@@ -67,6 +72,6 @@ class FixedSizeSampler(_Sampler):
         return np.sort(self._rng.choice(self.population, size=self.expected_cohort, replace=False))
 
 
-def make_sampler(kind: str, population: int, expected_cohort: int, seed: int) -> _Sampler:
-    """Build the sampler named in ``privacy.sampling``."""
-    return {"poisson": PoissonSampler, "fixed": FixedSizeSampler}[kind](population, expected_cohort, seed)
+def make_sampler(kind: str, population: int, expected_cohort: int, seed: int, secure: bool = False) -> _Sampler:
+    """Build the sampler named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``)."""
+    return {"poisson": PoissonSampler, "fixed": FixedSizeSampler}[kind](population, expected_cohort, seed, secure)

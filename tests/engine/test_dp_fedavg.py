@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, MetricRecord
 from torch.nn.utils import parameters_to_vector
 
 from fedprivacy.client.trainer import client_generator, local_sgd
@@ -255,3 +255,113 @@ def test_in_process_grid_push_then_pull_delivers_like_send_and_receive(small_con
     assert sorted(int(r.content["node"]["partition-id"]) for r in replies) == [0, 1, 2, 3, 4]
     assert all(r.metadata.reply_to_message_id in ids for r in replies)
     assert list(grid.pull_messages(ids)) == []  # each message is delivered once
+
+
+def _malformed(kind: str, partitions: set[int] | None):
+    """A mod that replaces the replies of ``partitions`` (None: every client) with a crafted one."""
+    def mod(msg, context, call_next):
+        reply = call_next(msg, context)
+        partition = int(context.node_config["partition-id"])
+        if msg.metadata.message_type != "train" or (partitions is not None and partition not in partitions):
+            return reply
+        arrays = reply.content["arrays"]
+        idx, values = arrays["indices"].numpy(), arrays["values"].numpy()
+        if kind == "no_train_loss":
+            reply.content["metrics"] = MetricRecord({"num-examples": 3})
+            return reply
+        payload = {"int64": values.astype(np.int64), "bool": values != 0, "big_endian": values.astype(">f4"),
+                   "float64_sparse": values.astype(np.float64)}[kind]
+        lie = Array(payload)
+        lie = Array(dtype="float32", shape=lie.shape, stype=lie.stype, data=lie.data)  # metadata says float32
+        reply.content["arrays"] = ArrayRecord({"indices": Array(idx), "values": lie})
+        return reply
+
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["int64", "bool", "big_endian", "float64_sparse"])
+def test_replies_of_the_wrong_dtype_count_as_zero_by_reason_and_never_crash(small_config, tmp_path, kind, caplog):
+    cfg0 = small_config("rounds=2")
+    bad = set(make_sampler("poisson", load_task(cfg0.data).population, 8, cfg0.seed).sample()[:2].tolist())
+    cfg = small_config("rounds=2", f"output_dir={tmp_path / kind}")
+    with caplog.at_level("WARNING"):
+        _run_with_mods(cfg, [_malformed(kind, bad)])
+    import pandas as pd
+
+    rows = pd.read_csv(cfg.output_dir / "metrics.csv")
+    assert rows.loc[0, "rejected_dtype"] == len(bad) and rows.loc[0, "cohort_accepted"] == rows.loc[0, "cohort_received"] - len(bad)
+    warnings = [r.getMessage() for r in caplog.records if "rejected as zero (dtype)" in r.getMessage()]
+    assert warnings and warnings[0].startswith("round 1: 2 update(s)")  # one line per reason and round
+    zero = small_config("rounds=2", f"output_dir={tmp_path / 'zero'}")
+    _run_with_mods(zero, [_corrupt("zero", bad)])
+    assert torch.equal(_flat(cfg.output_dir / "final_model.pt"), _flat(zero.output_dir / "final_model.pt"))
+
+
+def test_a_reply_without_train_loss_still_counts(small_config):
+    cfg = small_config("rounds=1")
+    _run_with_mods(cfg, [_malformed("no_train_loss", None)])
+    summary = json.loads((cfg.output_dir / "summary.json").read_text())
+    assert summary["cohort_accepted"] == summary["cohort_sampled"] > 0
+    assert summary["rounds_with_no_accepted_update"] == []
+
+
+def test_a_round_where_every_reply_is_rejected_is_an_error_and_flagged(small_config, caplog):
+    cfg = small_config("rounds=2")
+    with caplog.at_level("ERROR"):
+        _run_with_mods(cfg, [_malformed("bool", None)])
+    summary = json.loads((cfg.output_dir / "summary.json").read_text())
+    assert summary["rounds_with_no_accepted_update"] == [1, 2]
+    assert any("none of the" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+
+
+def test_a_crash_after_uncheckpointed_releases_keeps_every_release_accounted_with_fresh_draws(small_config, tmp_path,
+                                                                                          monkeypatch):
+    """Crash in round 3 of a run that checkpoints every 2 rounds: releases 3 (and its draw) happened
+    but the checkpoint holds rounds 1-2. The resume accounts release 3, re-runs round 3 with a new draw
+    and cohort (epoch 1), and the ledger counts 5 releases for 4 rounds."""
+    from fedprivacy.privacy.release_log import ReleaseLog
+
+    class Crash(Exception):
+        pass
+
+    cfg = small_config("rounds=4", "checkpoint_every=2", f"output_dir={tmp_path / 'run'}")
+    original = DPFedAvgServer._privatize_and_step
+
+    def crash_after_round_3(self, agg):
+        original(self, agg)
+        if self.round == 3:
+            raise Crash
+    monkeypatch.setattr(DPFedAvgServer, "_privatize_and_step", crash_after_round_3)
+    with pytest.raises(Crash):
+        run(cfg)
+    monkeypatch.undo()
+    log = ReleaseLog(cfg.output_dir)
+    assert [e["round"] for e in log.entries] == [1, 2, 3]
+    summary = run(cfg, resume=True)
+    log = ReleaseLog(cfg.output_dir)
+    assert [e["round"] for e in log.entries] == [1, 2, 3, 3, 4] and [e["epoch"] for e in log.entries] == [0, 0, 0, 1, 1]
+    draws = [e["draw"] for e in log.entries]
+    assert len(set(draws)) == len(draws)  # no two releases share a draw
+    assert summary["releases"] == 5 and summary["rounds_completed"] == 4
+    expected = epsilon(PrivacyLedger().compose(log.lost_since(PrivacyLedger())[0], 5), summary["delta"], "rdp")
+    assert summary["epsilon_rdp"] == pytest.approx(expected, rel=1e-12)
+    # an uninterrupted run accounts 4 releases: the crash cost one round of budget, nothing was lost
+    clean = small_config("rounds=4", f"output_dir={tmp_path / 'clean'}")
+    assert run(clean)["epsilon_rdp"] < summary["epsilon_rdp"]
+
+
+def test_a_reused_draw_is_refused(tmp_path):
+    from fedprivacy.privacy.accounting import GaussianRound
+    from fedprivacy.privacy.release_log import ReleaseLog
+
+    log, ledger = ReleaseLog(tmp_path), PrivacyLedger()
+    event = GaussianRound(1.0, "poisson", 10, 2.0)
+    log.record(ledger, 1, event, "abc")
+    ledger.compose(event)
+    with pytest.raises(RuntimeError, match="already used"):
+        log.record(ledger, 2, event, "abc")
+    (tmp_path / "releases.jsonl").write_text((tmp_path / "releases.jsonl").read_text() + '{"release": 2, "rou')
+    assert len(ReleaseLog(tmp_path).entries) == 1  # a line cut by a crash during its own write: not released
+    (tmp_path / "releases.jsonl").write_text('garbage\n{"release": 1}\n')
+    with pytest.raises(ValueError, match="releases.jsonl: line 1"):
+        ReleaseLog(tmp_path)

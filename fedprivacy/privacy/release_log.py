@@ -1,0 +1,110 @@
+"""Write-ahead log of the server's releases: every release is accounted, whatever crashes when.
+
+The checkpoint holds the privacy ledger only as of its own round. With ``checkpoint_every: 5`` a
+crash in round 7 loses the ledger entries of rounds 6 and 7, yet those releases were computed and,
+in a deployment, broadcast: resuming from round 5 and accounting only the re-run rounds would
+under-count the spend, and re-running round 6 with the restored generator state would release a
+second average under the SAME noise draw with possibly different replies (the difference of the
+two releases is one client's clipped update, noise-free).
+
+So, before a round's noise is added (and so before its release can leave the server), one JSON
+line is appended to ``releases.jsonl`` and fsynced:
+
+``{"release": k, "round": t, "epoch": e, "draw": <id of the noise draw>, "event": <GaussianRound>}``
+
+- ``release`` is the release's position in the privacy ledger (1, 2, ...), re-runs included;
+- ``draw`` identifies the generator state the noise is drawn from (``None`` when the server draws
+  nothing), so a reused draw is detectable and refused (:meth:`ReleaseLog.record`);
+- ``epoch`` counts resumes that found releases beyond their checkpoint. Such a resume composes the
+  lost releases' events into the ledger (:meth:`ReleaseLog.lost_since`) and re-keys the noise
+  generator and the cohort sampler with the next epoch (:func:`rekeyed_seed`), so no re-run round
+  reuses a draw or a cohort. A resume from the last release's checkpoint changes nothing (bit-identical).
+
+A line cut short by a crash during its own write is ignored: its release had not happened yet (the
+line is complete, fsynced, before the noise is added). Any other unreadable line is an error that
+names the file and the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger
+
+RELEASES = "releases.jsonl"
+REKEY_STREAM = 0x72656B6579  # "rekey"
+
+
+def draw_id(generator_state: Any) -> str:
+    """A short fingerprint of the generator state a draw starts from (same state, same draw)."""
+    return hashlib.sha256(np.asarray(generator_state).tobytes()).hexdigest()[:32]
+
+
+def rekeyed_seed(seed: int, epoch: int) -> int:
+    """The seed a run's generators use in ``epoch`` (0: the run seed itself, as before any re-run)."""
+    if epoch == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, REKEY_STREAM, epoch]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class ReleaseLog:
+    """The run folder's ``releases.jsonl``: appended and fsynced once per release."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / RELEASES
+        self.entries: list[dict[str, Any]] = self._read()
+        self.epoch = max((int(e["epoch"]) for e in self.entries), default=0)
+        self._draws = {e["draw"] for e in self.entries if e["draw"] is not None}
+
+    def _read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        lines = self.path.read_bytes().split(b"\n")
+        entries = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                GaussianRound(**entry["event"])
+                entries.append({k: entry[k] for k in ("release", "round", "epoch", "draw", "event")})
+            except (ValueError, KeyError, TypeError) as err:
+                if number == len(lines):  # the last line, cut short by a crash during its own write
+                    break
+                raise ValueError(f"{self.path}: line {number} is not a release record ({err})") from None
+        for before, entry in zip(entries, entries[1:]):
+            if entry["release"] != before["release"] + 1:
+                raise ValueError(f"{self.path}: release {entry['release']} follows release {before['release']}")
+        return entries
+
+    def lost_since(self, ledger: PrivacyLedger) -> list[GaussianRound]:
+        """The events of releases made after ``ledger`` was checkpointed (it holds releases 1..``ledger.rounds``)."""
+        return [GaussianRound(**e["event"]) for e in self.entries if e["release"] > ledger.rounds]
+
+    def start_epoch(self) -> int:
+        """Begin a new epoch (a resume that re-runs released rounds); returns it."""
+        self.epoch += 1
+        return self.epoch
+
+    def record(self, ledger: PrivacyLedger, round_: int, event: GaussianRound, draw: str | None) -> None:
+        """Durably log one release BEFORE its noise is added, as release ``ledger.rounds + 1`` (the
+        ledger holds every earlier one); refuses a draw already released."""
+        if draw is not None and draw in self._draws:
+            raise RuntimeError(f"round {round_}: the noise draw {draw} was already used by an earlier release "
+                               f"({self.path}); refusing to release it again")
+        entry = {"release": ledger.rounds + 1, "round": round_, "epoch": self.epoch, "draw": draw,
+                 "event": dataclasses.asdict(event)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.entries.append(entry)
+        if draw is not None:
+            self._draws.add(draw)
