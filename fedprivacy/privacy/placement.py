@@ -24,7 +24,10 @@ and therefore whom the guarantee protects against:
 In the two client-side placements the server does not clip (the uploads are already clipped and
 noised: re-clipping a noised vector would remove its noise); it still rejects malformed and
 non-finite uploads (invariant 12). What the server's optimizer sees is the same released average,
-so every server variant stays post-processing (invariant 3). The noise variance of one coordinate
+so every server variant stays post-processing (invariant 3). A MALICIOUS client under a client-side
+placement is bounded by nothing but that validation: it can move the average arbitrarily (its own
+contribution is unclipped), and under ``distributed`` it can omit its share, which lowers the noise
+protecting the other users to :math:`zC\sqrt{(m-k)/m}` for k such clients, undetectably. The noise variance of one coordinate
 of :math:`g_t` (DP-AdamBC's :math:`\Phi`) follows from the placement: :func:`released_noise_variance`.
 """
 

@@ -365,3 +365,15 @@ def test_a_reused_draw_is_refused(tmp_path):
     (tmp_path / "releases.jsonl").write_text('garbage\n{"release": 1}\n')
     with pytest.raises(ValueError, match="releases.jsonl: line 1"):
         ReleaseLog(tmp_path)
+
+
+def test_the_claim_says_whether_the_draws_are_reproducible_and_secure_noise_hides_the_cohort(small_config, tmp_path):
+    seeded = run(small_config("rounds=1", f"output_dir={tmp_path / 'seeded'}"))
+    assert "reproducible from seed" in seeded["privacy_claim"]
+    cohorts = []
+    for name in ("a", "b"):
+        cfg = small_config("rounds=1", "privacy.secure_noise=true", f"output_dir={tmp_path / name}")
+        summary = run(cfg)
+        assert "cryptographic source" in summary["privacy_claim"] and "reproducible" not in summary["privacy_claim"]
+        cohorts.append(torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["sampler"])
+    assert cohorts[0] != cohorts[1]  # the cohort sampler's state is not a function of the seed

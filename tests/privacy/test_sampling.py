@@ -47,3 +47,13 @@ def test_sampler_state_round_trip():
 def test_cohort_larger_than_population_is_rejected_naming_the_field():
     with pytest.raises(ValueError, match="expected_cohort"):
         make_sampler("fixed", 10, 11, seed=0)
+
+
+def test_a_secure_sampler_is_not_determined_by_the_seed():
+    from fedprivacy.privacy.sampling import make_sampler
+
+    for kind in ("poisson", "fixed"):
+        seeded = [make_sampler(kind, 1000, 50, 7).sample().tolist() for _ in range(2)]
+        secure = [make_sampler(kind, 1000, 50, 7, secure=True).sample().tolist() for _ in range(2)]
+        assert seeded[0] == seeded[1]
+        assert secure[0] != secure[1] and seeded[0] not in secure
