@@ -24,7 +24,8 @@ process reads them itself between the clients it runs: no threads.
 - A worker that dies (killed, out of memory) loses only the message it was running: that reply is
   an error, which the ServerApp counts as a dropout (invariant 11); the remaining messages run on
   the processes left. Workers ignore Ctrl-C (the grid's process handles it and closes them) and
-  exit when the grid's process is gone.
+  die with the grid's process, even mid-client (Linux: ``PR_SET_PDEATHSIG``; elsewhere when they
+  next wait for work), however it ended (``kill -9`` included).
 
 Workers are forked (POSIX), so they share the loaded task's memory-mapped data and the ClientApp
 object itself without pickling it; CUDA cannot be used in forked processes, so the config allows
@@ -34,6 +35,7 @@ several processes with ``device: cpu`` only.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import logging
 import mmap
@@ -41,6 +43,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +58,24 @@ RING_BYTES = 64 << 20  # each worker's reply ring; a reply pickle over a quarter
 OUT_OF_BAND_BYTES = 1 << 16  # a reply's bytes objects from this size on are copied into the ring, not into its pickle
 RunClient = Callable[[Message, RecordDict], tuple[Message, RecordDict]]
 """Run a message's ClientApp with its node's state; return the reply and the node's new state."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity set where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this (forked) process when its parent exits (Linux; a no-op elsewhere),
+    and exit now if ``parent`` is already gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # the process's own libc
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(0)
 
 
 class _SharedFile:
@@ -111,6 +132,9 @@ class ProcessPool:
     def __init__(self, run_client: RunClient, processes: int, window: int | None = None) -> None:
         if processes < 2:
             raise ValueError(f"a process pool needs at least 2 processes, got {processes}")
+        if processes > usable_cores():
+            log.warning("processes=%d exceeds the %d CPU cores this run may use: its processes will take turns on "
+                        "them (slower); set processes <= %d", processes, usable_cores(), usable_cores())
         ctx = mp.get_context("fork")
         self._run_client = run_client
         self.window = window or 4 * processes
@@ -134,8 +158,8 @@ class ProcessPool:
         for w in range(1, processes):
             ours, theirs = ctx.Pipe()
             self._running[2 * w] = -1
-            proc = ctx.Process(target=self._serve, args=(w, theirs, parent), name=f"fedprivacy-client-worker-{w}",
-                               daemon=True)
+            proc = ctx.Process(target=self._serve, args=(w, theirs, parent, ours),
+                               name=f"fedprivacy-client-worker-{w}", daemon=True)
             proc.start()
             theirs.close()
             self._conns[w], self._procs[w], self._loaded[w] = ours, proc, 0
@@ -301,8 +325,14 @@ class ProcessPool:
         self._conns = {}
 
     # -- a worker process ------------------------------------------------------------------
-    def _serve(self, w: int, conn: Connection, parent: int) -> None:
-        """Worker ``w``: for each batch announced, claim and run messages until none is left."""
+    def _serve(self, w: int, conn: Connection, parent: int, grid_end: Connection) -> None:
+        """Worker ``w``: for each batch announced, claim and run messages until none is left.
+
+        ``grid_end`` is the grid's end of this worker's pipe; closing the copies of the grid's ends
+        that the fork gave this worker lets it read EOF when the grid's process is gone."""
+        die_with_parent(parent)
+        for end in (grid_end, *self._conns.values()):
+            end.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         ring = self._rings[w].view(RING_BYTES)
         written = 0  # ring bytes written so far (a position; modulo RING_BYTES is the offset)

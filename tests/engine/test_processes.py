@@ -2,11 +2,17 @@
 order as one process, so the same model bit for bit; node state kept with the grid; a worker that
 dies is a dropout, never a crashed or hung run."""
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pandas as pd
 import pytest
 import torch
+import yaml
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
@@ -170,3 +176,52 @@ def test_replies_larger_than_the_ring_wrap_around_or_go_through_the_pipe(monkeyp
         for _ in range(2):
             replies = list(grid.send_and_receive(_batch(range(2, 82))))
             assert [dict(r.content["r"]) for r in replies] == [blobs(n) for n in range(2, 82)]
+
+
+def _stat(pid: int | str) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, ``None`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return state, int(ppid)
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX"  # a zombie has exited
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker in /proc")
+def test_a_worker_dies_with_its_killed_parent(small_config, tmp_path):
+    """``kill -9`` of a ``processes: 2`` run leaves no worker behind (it would hold its memory until killed)."""
+    cfg = small_config("rounds=100000", "processes=2")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(json.loads(cfg.to_json())))
+    proc = subprocess.Popen([sys.executable, "-m", "fedprivacy", "run", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (cfg.output_dir / "checkpoint.pt").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        (worker,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and (_stat(p) or ("", 0))[1] == proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 5
+    while _alive(worker) and time.time() < deadline:
+        time.sleep(0.05)
+    if _alive(worker):
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the worker outlived its killed parent by 5 s")
+
+
+def test_more_processes_than_cores_warn_naming_the_field_and_the_cores(monkeypatch, caplog):
+    _identity()
+    monkeypatch.setattr(processes, "usable_cores", lambda: 1)
+    with caplog.at_level("WARNING", logger=processes.__name__), InProcessGrid(_echo_app(), num_nodes=4, processes=2):
+        pass
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "processes=2" in warning and "1 CPU cores" in warning
