@@ -2,7 +2,7 @@
 
 The papers' own experiments are centralized (DP-AdamBC, DiSK, DP-MicroAdam, AdaDPS §6.1): one data
 set, Poisson batches at ``q = B / n``, each step the record-level Gaussian mechanism of
-:mod:`fedprivacy.optim.sample_dp`, ε from Opacus' accountant over the steps actually taken. This is
+:mod:`fedprivacy.optim.sample_dp`, ε (>= 0) of the steps Opacus' accountant counted. This is
 the harness of the small reproductions in ``simulations/`` and the pooled baseline of a federated
 run (``pooled`` concatenates the clients' records; there is no user structure, so its ε is
 record-level, not user-level).
@@ -69,5 +69,4 @@ def train_centralized(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, *
     if evaluate is not None and (not history or history[-1][0] != run.steps):
         with torch.no_grad():
             history.append((run.steps, float(evaluate(model))))
-    return CentralizedResult(history, float(run.accountant.get_epsilon(delta=target_delta)), target_delta,
-                             run.steps, run)
+    return CentralizedResult(history, run.epsilon(target_delta), target_delta, run.steps, run)

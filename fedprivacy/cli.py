@@ -58,17 +58,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_epsilon(args: argparse.Namespace) -> int:
-    from fedprivacy.privacy.accounting import epsilon_for
+    """Each accountant's epsilon >= 0; ``"inf"`` when there is none (z = 0), ``null`` when it cannot account."""
+    from fedprivacy.privacy.accounting import epsilon_for, json_epsilon
 
     kinds = ["rdp", "prv", "pld"] if args.accountant == "all" else [args.accountant]
     orders = [float(o) for o in args.orders.split(",")] if args.orders else None
     result = {
         "sampling": args.sampling, "q": args.q, "noise_multiplier": args.noise_multiplier,
         "steps": args.steps, "delta": args.delta, "population": args.population,
-        "epsilon": {k: epsilon_for(args.sampling, args.q, args.noise_multiplier, args.steps, args.delta, k,
-                                   population=args.population, rdp_orders=orders) for k in kinds},
+        "epsilon": {k: json_epsilon(epsilon_for(args.sampling, args.q, args.noise_multiplier, args.steps, args.delta,
+                                                k, population=args.population, rdp_orders=orders)) for k in kinds},
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2, allow_nan=False))
     return 0
 
 
@@ -92,10 +93,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         steps = max_rounds(args.target_epsilon, args.delta, noise_multiplier=args.noise_multiplier, **common)
         result.update(noise_multiplier=args.noise_multiplier, steps=steps)
-    from fedprivacy.privacy.accounting import epsilon_for
+    from fedprivacy.privacy.accounting import epsilon_for, json_epsilon
 
-    result["epsilon"] = epsilon_for(args.sampling, args.q, result["noise_multiplier"], result["steps"], args.delta,
-                                    args.accountant, population=args.population)
+    result["epsilon"] = json_epsilon(epsilon_for(args.sampling, args.q, result["noise_multiplier"], result["steps"],
+                                                 args.delta, args.accountant, population=args.population))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -95,7 +95,10 @@ class SampleDPClientConfig(_Section):
     """Accountant of the epsilon each client reports for its round (reply metrics); the run's
     per-client files compose the rounds under every ``privacy.accountants``."""
     target_delta: float | None = Field(None, gt=0.0, lt=1.0)
-    """Delta of each client's record-level epsilon; default 1 / n_i (the client's own records)."""
+    """One delta for every client's record-level epsilon; None: ``delta_factor / n_i`` (n_i: the client's
+    privacy units). Clients with delta >= 1 / n_i are flagged in ``client_privacy.csv`` (``weak_delta``)."""
+    delta_factor: float = Field(0.1, gt=0.0, lt=1.0)
+    """f of the default per-client delta_i = f / n_i, well below 1 / n_i (Dwork & Roth 2014, §2.3)."""
     disk_kappa: float = Field(1.0, gt=0.0, le=1.0)
     """Local DiSK (arXiv:2410.03883, Alg. 3) on top of ``optimizer``: filter gain kappa; 1 = off.
     Each step combines the per-record gradients at x and at x + disk_gamma d (same batch) before the

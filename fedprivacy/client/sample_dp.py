@@ -26,6 +26,23 @@ exactly in closed form (ghost norms, :func:`softmax_regression_clipped_sum`) and
 optimizer at its noise stage. The ClientApp reports each round's releases in its reply metrics
 (:func:`event_metrics`); the server composes them per client.
 
+Delta. Each client's ε is at its own δ_i, which must be well below 1/n_i, n_i the client's
+privacy units (records; micro-batches of ``micro_batch_size``, and a client with fewer records than
+that has one unit of all of them). Publishing each unit independently with probability δ is
+(0, δ)-DP yet publishes δ·n_i units in expectation: values of δ on the order of 1/n are "very
+dangerous", permitting the complete records of a few participants to be published (Dwork & Roth,
+*The Algorithmic Foundations of Differential Privacy*, 2014, §2.3, after Def. 2.4). The default
+(:func:`client_delta`) is
+
+.. math:: \delta_i = \frac{f}{n_i}, \qquad f = \mathtt{delta\_factor} = 0.1 \ (0 < f < 1),
+
+under which that mechanism publishes a tenth of a unit in expectation on every client alike, and
+δ_i < 1/n_i <= 1 for every client (δ = 0.1 for a single record). A fixed ``target_delta`` gives
+every client the same δ instead; a client where that is >= 1/n_i is flagged (``weak_delta`` in
+``client_privacy.csv``, a count in ``summary.json``, a warning:
+:mod:`fedprivacy.privacy.client_ledgers`), not refused. Every ε goes through
+:func:`fedprivacy.privacy.accounting.epsilon`: >= 0, ``inf`` when z = 0 (:func:`counted_epsilon`).
+
 Randomness: one ``SeedSequence`` is split into four disjoint streams: micro-batch partition,
 Poisson sampling, noise (dedicated; ``secure_noise`` seeds it from the OS instead) and
 DP-MicroAdam's rounding. Nothing draws from the global torch RNG.
@@ -120,6 +137,19 @@ def per_sample_closure(model: GradSampleModule, loss_fn: LossFn, inputs: torch.T
     return closure
 
 
+DELTA_FACTOR = 0.1
+"""Default f of the per-client delta policy delta_i = f / n_i (module docstring, "Delta")."""
+
+
+def client_delta(units: int, target_delta: float | None = None, delta_factor: float = DELTA_FACTOR) -> float:
+    """δ_i of a client with ``units`` privacy units: ``target_delta`` if given, else ``delta_factor / units``."""
+    if target_delta is not None:
+        return target_delta
+    if not 0 < delta_factor < 1:
+        raise ValueError(f"delta_factor must be in (0, 1), got {delta_factor!r}")
+    return delta_factor / units
+
+
 def make_accountant(kind: AccountantKind) -> RDPAccountant | PRVAccountant:
     """Opacus' accountant of ``kind`` (``"rdp"`` or ``"prv"``)."""
     if kind == "rdp":
@@ -141,11 +171,28 @@ class SampleDPRun:
     losses: list[float]
     """Mean training loss of each step's batch (NaN for an empty batch)."""
 
+    def epsilon(self, delta: float) -> float:
+        """ε at ``delta`` of the steps the accountant counted (see :func:`counted_epsilon`)."""
+        return counted_epsilon(self.accountant, self.event, delta)
+
+
+def counted_epsilon(accountant: RDPAccountant | PRVAccountant, event: GaussianRound, delta: float) -> float:
+    """ε at ``delta`` of the steps a hooked Opacus ``accountant`` counted, each a release of ``event``.
+
+    Computed by :func:`fedprivacy.privacy.accounting.epsilon` (the same Opacus RDP/PRV analysis,
+    reported >= 0, ``inf`` for z = 0) rather than by ``accountant.get_epsilon``, which goes negative
+    at large δ and whose PRV raises there.
+    """
+    taken = sum(count for *_, count in accountant.history)
+    return epsilon([(event, taken)] if taken else [], delta, accountant.mechanism())
+
 
 @dataclass(frozen=True)
 class _Plan:
     """A run's privacy units, sampling, optimizer (accountant hooked) and event: what every trainer shares."""
 
+    cfg: SampleDPConfig
+    """The run's settings: ``batch_size = q n k`` and the unit size ``k`` actually used."""
     units: Dataset
     q: float
     steps: int
@@ -163,11 +210,13 @@ def _plan(params: list[nn.Parameter], dataset: Dataset, cfg: SampleDPConfig, see
         raise ValueError("give exactly one of steps and epochs")
     seq = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
     partition_seq, sampling_seq, noise_seq, rounding_seq = seq.spawn(4)
-    k = cfg.micro_batch_size
+    if len(dataset) == 0:
+        raise ValueError("sample-level DP training needs at least one record")
+    k = min(cfg.micro_batch_size, len(dataset))  # fewer records than k: one unit of all of them
     units = MicroBatchUnits(dataset, k, _torch_generator(partition_seq)) if k > 1 else dataset
     n_units = len(units)
     q = min(1.0, cfg.expected_units / n_units)
-    cfg = replace(cfg, batch_size=q * n_units * k)
+    cfg = replace(cfg, batch_size=q * n_units * k, micro_batch_size=k)
     steps = max(1, round(epochs / q)) if steps is None else steps
     noise_gen = (torch.Generator().manual_seed(secrets.randbits(63)) if secure_noise
                  else _torch_generator(noise_seq))
@@ -176,7 +225,7 @@ def _plan(params: list[nn.Parameter], dataset: Dataset, cfg: SampleDPConfig, see
     acct = make_accountant(accountant)
     optimizer.attach_step_hook(acct.get_optimizer_hook_fn(sample_rate=q))
     event = GaussianRound(cfg.noise_multiplier, "poisson", n_units, q * n_units)
-    return _Plan(units, q, steps, optimizer, acct, event, _torch_generator(sampling_seq))
+    return _Plan(cfg, units, q, steps, optimizer, acct, event, _torch_generator(sampling_seq))
 
 
 def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed: np.random.SeedSequence | int, *,
@@ -190,7 +239,8 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
         model: a plain module (wrapped in a ``GradSampleModule`` for the run, unwrapped after).
         dataset: items ``(input, target)``; one item = one record.
         cfg: hyperparameters; with ``q = B/n > 1`` (fewer units than the expected batch) q is
-            capped at 1 and B lowered to ``n`` (every unit every step, no amplification).
+            capped at 1 and B lowered to ``n`` (every unit every step, no amplification); with
+            fewer records than ``micro_batch_size`` all of them form one unit.
         seed: the run's seed sequence (or an int), split into the module docstring's streams.
         steps: number of steps; or ``epochs``: ``steps = max(1, round(epochs / q))``.
         loss_fn: per-record loss (``reduction="none"``).
@@ -201,12 +251,12 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
             ``p.grad`` then holds the gradient the base optimizer used (DiSK: the filtered one).
 
     Raises:
-        ValueError: neither or both of ``steps`` and ``epochs``; too few records for one unit.
+        ValueError: neither or both of ``steps`` and ``epochs``; no records.
     """
     params = [p for p in model.parameters() if p.requires_grad]  # the GradSampleModule's, same objects
     plan = _plan(params, dataset, cfg, seed, steps=steps, epochs=epochs, preconditioner=preconditioner,
                  accountant=accountant, secure_noise=secure_noise)
-    optimizer, k = plan.optimizer, cfg.micro_batch_size
+    optimizer, k = plan.optimizer, plan.cfg.micro_batch_size
     gsm = GradSampleModule(model, loss_reduction="sum")
     losses = []
     try:
@@ -228,10 +278,10 @@ class SampleDPResult:
 
     Attributes:
         delta: flat ``x_local - x_start`` in ``parameters_to_vector(model.parameters())`` order.
-        epsilon: ε of THIS participation at ``target_delta`` (Opacus accountant, steps actually taken).
+        epsilon: ε >= 0 of THIS participation at ``target_delta`` (:func:`counted_epsilon`).
         steps: local steps taken.
         event: one step's release, for :meth:`ClientPrivacyAccountant.record`.
-        target_delta: the δ of ``epsilon``.
+        target_delta: the δ of ``epsilon``: the client's δ_i (:func:`client_delta`).
         train_loss: mean of the steps' batch losses (non-empty batches; NaN if all were empty).
         num_examples: records the client holds (diagnostic only; never a weight).
     """
@@ -246,7 +296,8 @@ class SampleDPResult:
 
 
 def train_sample_dp(model: nn.Module, examples: Dataset, cfg: SampleDPConfig, seed: np.random.SeedSequence | int,
-                    *, epochs: float = 1.0, target_delta: float | None = None, loss_fn: LossFn | None = None,
+                    *, epochs: float = 1.0, target_delta: float | None = None,
+                    delta_factor: float = DELTA_FACTOR, loss_fn: LossFn | None = None,
                     preconditioner: Sequence[torch.Tensor] | None = None, accountant: AccountantKind = "rdp",
                     secure_noise: bool = False) -> SampleDPResult:
     """One client's local record-level DP training from the model's current weights ``x_t``.
@@ -260,7 +311,8 @@ def train_sample_dp(model: nn.Module, examples: Dataset, cfg: SampleDPConfig, se
         cfg: the sample-level optimizer (:class:`~fedprivacy.optim.sample_dp.SampleDPConfig`).
         seed: e.g. ``SeedSequence([run_seed, STREAM, round, client])``.
         epochs: local epochs; steps = ``max(1, round(epochs / q_i))`` with ``q_i = B / n_i``.
-        target_delta: δ of the reported ε (default ``1 / n_i``).
+        target_delta: δ of the reported ε; None: ``delta_factor / n_i`` (:func:`client_delta`).
+        delta_factor: f of the default δ_i = f / n_i, in (0, 1).
         loss_fn: per-record loss; default cross-entropy with ``reduction="none"``.
         preconditioner: AdaDPS ``A`` (public, broadcast with the model).
         accountant: ``"rdp"`` or ``"prv"``.
@@ -276,11 +328,10 @@ def train_sample_dp(model: nn.Module, examples: Dataset, cfg: SampleDPConfig, se
     finally:
         with torch.no_grad():
             vector_to_parameters(start, params)
-    n = len(examples)
-    target_delta = 1.0 / n if target_delta is None else target_delta
+    delta = client_delta(run.event.population, target_delta, delta_factor)
     seen = [x for x in run.losses if not math.isnan(x)]
-    return SampleDPResult(update, float(run.accountant.get_epsilon(delta=target_delta)), run.steps, run.event,
-                          target_delta, sum(seen) / len(seen) if seen else math.nan, n)
+    return SampleDPResult(update, run.epsilon(delta), run.steps, run.event, delta,
+                          sum(seen) / len(seen) if seen else math.nan, len(examples))
 
 
 @dataclass(frozen=True)
@@ -385,8 +436,8 @@ def _sparse_pair(x: sp.csr_matrix, dtype: torch.dtype, device) -> tuple[torch.Te
 
 def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, cfg: SampleDPConfig,
                             seed: np.random.SeedSequence | int, *, epochs: float = 1.0,
-                            target_delta: float | None = None, accountant: AccountantKind = "rdp",
-                            secure_noise: bool = False,
+                            target_delta: float | None = None, delta_factor: float = DELTA_FACTOR,
+                            accountant: AccountantKind = "rdp", secure_noise: bool = False,
                             preconditioner: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> SampleDPResult:
     """:func:`train_sample_dp` for softmax regression on sparse rows (``model.embedding.weight``, ``model.bias``).
 
@@ -406,7 +457,7 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
         model: holds ``embedding.weight`` ``(V, K)`` and ``bias`` ``(K,)`` (its only trainable parameters),
             e.g. :class:`~fedprivacy.models.logistic.SparseLogisticRegression`.
         features: the client's ``(n, V)`` CSR rows; ``labels``: its ``n`` labels.
-        cfg, seed, epochs, target_delta, accountant, secure_noise: as in :func:`train_sample_dp`.
+        cfg, seed, epochs, target_delta, delta_factor, accountant, secure_noise: as in :func:`train_sample_dp`.
         preconditioner: AdaDPS's public :math:`(A_W, A_b)` (see :func:`softmax_regression_clipped_sum`), or None.
     """
     weight, bias = model.embedding.weight, model.bias
@@ -414,24 +465,22 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
     if len(params) != 2 or not any(p is weight for p in params) or not any(p is bias for p in params):
         raise ValueError("train_sample_dp_softmax needs a model whose trainable parameters are embedding.weight and bias")
     n = features.shape[0]
-    if n == 0:
-        raise ValueError("train_sample_dp_softmax: the client holds no records")
     plan = _plan(params, TensorDataset(torch.arange(n)), cfg, seed, steps=None, epochs=epochs, preconditioner=None,
                  accountant=accountant, secure_noise=secure_noise)
     y_all = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=weight.device)
     start = parameters_to_vector(params).detach().clone()
-    optimizer = plan.optimizer
+    optimizer, k = plan.optimizer, plan.cfg.micro_batch_size
     w_at = next(i for i, p in enumerate(optimizer.params) if p is weight)
     losses = []
     try:
         for batch in poisson_batches(plan.units, plan.q, plan.steps, plan.sampling_generator):
-            rows = flatten_units(batch, cfg.micro_batch_size)[0]
+            rows = flatten_units(batch, k)[0]
             sums = []
 
             def clipped_sum(ahead: list[torch.Tensor] | None = None, c: float = 0.0) -> list[torch.Tensor]:
                 point = None if ahead is None else (ahead[w_at], ahead[1 - w_at])
                 sums.append(softmax_regression_clipped_sum(features[rows.numpy()], y_all[rows], weight.detach(),
-                                                           bias.detach(), cfg.clip_norm, cfg.micro_batch_size,
+                                                           bias.detach(), cfg.clip_norm, k,
                                                            lookahead=point, c=c, preconditioner=preconditioner))
                 return [sums[-1].weight if p is weight else sums[-1].bias for p in optimizer.params]
 
@@ -447,9 +496,9 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             vector_to_parameters(start, params)
-    target_delta = 1.0 / n if target_delta is None else target_delta
-    return SampleDPResult(update, float(plan.accountant.get_epsilon(delta=target_delta)), plan.steps, plan.event,
-                          target_delta, sum(losses) / len(losses) if losses else math.nan, n)
+    delta = client_delta(plan.event.population, target_delta, delta_factor)
+    return SampleDPResult(update, counted_epsilon(plan.accountant, plan.event, delta), plan.steps, plan.event,
+                          delta, sum(losses) / len(losses) if losses else math.nan, n)
 
 
 METRIC_PREFIX = "sample-dp-"

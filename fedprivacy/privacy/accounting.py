@@ -37,6 +37,16 @@ Backends (``kind``), and why:
   single-round PLDs. ``PLDAccountant`` 0.6.0 has no branch for ``SampledWithoutReplacementDpEvent``:
   ``fixed`` gives ``None``. Grid spacing: :func:`pld_value_discretization_interval`.
 
+Reported values (:func:`epsilon`, the one place every ε passes through): never negative, never
+NaN. (ε, δ)-DP implies (ε', δ)-DP for every ε' >= ε, so a raw ε < 0 is reported as 0; raw values
+do go negative at large δ, once δ exceeds the privacy-loss curve's δ(0) (the total variation
+distance), and RDP's conversion has the negative term :math:`\log\frac{\alpha-1}{\alpha}` (one
+step at q = 1, δ = 0.5: PRV -0.364 at z = 1, RDP -0.454 at z = 2). Opacus' PRV raises ``"Cannot
+compute epsilon"`` when δ is above the curve at the low end -L of its domain (L >= 3 + eps_error):
+its ε is then below -3, reported as 0. ``inf`` (z = 0) stays ``inf``; a NaN certifies nothing and
+is reported as ``inf``. :func:`json_epsilon` writes ``inf`` as the string ``"inf"`` for JSON
+(strict JSON has no Infinity; ``float("inf")`` reads it back); CSV files hold ``inf``.
+
 Performance (ε is recomputed every round): per-round RDP vectors and single-round PLDs are
 memoized, so an entry costs a vector sum (rdp) or one FFT self-composition (pld). Measured on
 CPU, warm cache (cold in brackets), 1 entry x 1500 rounds / 40 distinct entries (1500 rounds):
@@ -290,7 +300,12 @@ def _prv_epsilon(entries: Sequence[Entry], delta: float) -> float:
     accountant.load_state_dict({"mechanism": accountant.mechanism(),
                                 "history": [(rnd.noise_multiplier, rnd.q, count) for rnd, count in entries]})
     with np.errstate(divide="ignore"):  # Opacus' PRV takes log(1 - q) = -inf at q = 1, harmlessly
-        return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
+        try:
+            return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
+        except RuntimeError as err:  # delta above the delta-curve at the domain's low end: epsilon < -3
+            if str(err) != "Cannot compute epsilon":
+                raise
+            return 0.0
 
 
 def _pld_epsilon(entries: Sequence[Entry], delta: float) -> float:
@@ -323,8 +338,9 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
             ignored by the other kinds.
 
     Returns:
-        ε (``0.0`` for an empty ledger or only q = 0 rounds; ``inf`` if a sampled round has z = 0),
-        or ``None`` when ``kind`` cannot account the ledger's sampling (``fixed`` with prv/pld).
+        ε >= 0 (``0.0`` for an empty ledger or only q = 0 rounds; ``inf`` if a sampled round has
+        z = 0; never NaN: module docstring, "Reported values"), or ``None`` when ``kind`` cannot account
+        the ledger's sampling (``fixed`` with prv/pld).
 
     Raises:
         ValueError: bad ``delta``, ``kind`` or ``rdp_orders``.
@@ -344,9 +360,14 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
         return 0.0
     if any(rnd.noise_multiplier == 0 for rnd, _ in active):
         return math.inf
-    if kind == "rdp":
-        return _rdp_epsilon(active, delta, orders)
-    return _prv_epsilon(active, delta) if kind == "prv" else _pld_epsilon(active, delta)
+    raw = (_rdp_epsilon(active, delta, orders) if kind == "rdp"
+           else _prv_epsilon(active, delta) if kind == "prv" else _pld_epsilon(active, delta))
+    return math.inf if math.isnan(raw) else max(0.0, raw)  # module docstring, "Reported values"
+
+
+def json_epsilon(eps: float | None) -> float | str | None:
+    """``eps`` for strict JSON: ``inf`` as the string ``"inf"``, anything else (a finite ε, ``None``) as is."""
+    return "inf" if eps == math.inf else eps
 
 
 def epsilons(ledger: PrivacyLedger | Iterable[Entry], delta: float, kinds: Iterable[AccountantKind],

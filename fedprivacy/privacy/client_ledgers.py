@@ -10,11 +10,20 @@ run's user-level epsilon (ARCHITECTURE, "Noise placements").
 Composition is order-free, so clients whose ledgers hold the same multiset of events (and the same
 delta) share one epsilon computation (with k participations of one event type there are at most k
 distinct values). Each client's epsilon is at the run's delta unless the client has its own (record-
-level DP: by default 1 / n_i, its own number of records), recorded with :meth:`ClientLedgers.compose`.
+level DP: by default 0.1 / n_i, n_i its privacy units; :func:`fedprivacy.client.sample_dp.client_delta`),
+recorded with :meth:`ClientLedgers.compose`.
+
+A delta of at least 1 / n, n the client's privacy units (the population of its events), is flagged
+(:meth:`ClientLedgers.weak_delta`: a ``weak_delta`` column, a count in the summary, a warning) but
+still reported: the mechanism that publishes each unit with probability delta is (0, delta)-DP and
+would publish one of the client's units in expectation (Dwork & Roth 2014, §2.3). Epsilons are
+those of :func:`~fedprivacy.privacy.accounting.epsilon` (>= 0, ``inf`` without noise); the
+summary writes ``inf`` as ``"inf"`` (:func:`~fedprivacy.privacy.accounting.json_epsilon`), the CSV as ``inf``.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -22,7 +31,9 @@ from typing import Any
 
 import pandas as pd
 
-from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon
+from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon, json_epsilon
+
+log = logging.getLogger(__name__)
 
 
 class ClientLedgers:
@@ -42,6 +53,11 @@ class ClientLedgers:
         """The delta of ``client``'s epsilon: its own, else ``default`` (the run's)."""
         return self._deltas.get(client, default)
 
+    def weak_delta(self, client: int, default: float) -> bool:
+        """Whether ``client``'s delta is at least 1 / n, n its privacy units (its events' largest population)."""
+        units = max(event.population for event, _ in self._ledgers[client].entries)
+        return self.delta(client, default) >= 1 / units
+
     def __len__(self) -> int:
         return len(self._ledgers)
 
@@ -57,20 +73,25 @@ class ClientLedgers:
             out[client] = memo[key]
         return out
 
-    def summary(self, delta: float, kind: AccountantKind) -> dict[str, float]:
-        """Max and median client epsilon and how many clients have one (for the run's summary)."""
+    def summary(self, delta: float, kind: AccountantKind) -> dict[str, float | str]:
+        """Max and median client epsilon (``"inf"`` if infinite), how many clients have one, how many a weak delta."""
         eps = list(self.epsilons(delta, kind).values())
         if not eps:
             return {"client_epsilon_clients": 0.0}
-        return {"client_epsilon_clients": float(len(eps)), "client_epsilon_max": max(eps),
-                "client_epsilon_median": float(statistics.median(eps))}
+        return {"client_epsilon_clients": float(len(eps)), "client_epsilon_max": json_epsilon(max(eps)),
+                "client_epsilon_median": json_epsilon(float(statistics.median(eps))),
+                "client_weak_delta_clients": float(sum(self.weak_delta(c, delta) for c in self._ledgers))}
 
     def write_csv(self, path: Path, delta: float, kinds: list[AccountantKind]) -> None:
-        """One row per client: id, releases composed, the delta, epsilon under each accountant."""
+        """One row per client: id, releases composed, the delta, whether it is weak, epsilon under each accountant."""
         per_kind = {k: self.epsilons(delta, k) for k in kinds}
         rows = [{"client": c, "releases": ledger.rounds, "delta": self.delta(c, delta),
-                 **{f"epsilon_{k}": per_kind[k][c] for k in kinds}}
+                 "weak_delta": self.weak_delta(c, delta), **{f"epsilon_{k}": per_kind[k][c] for k in kinds}}
                 for c, ledger in sorted(self._ledgers.items())]
+        weak = [int(row["client"]) for row in rows if row["weak_delta"]]
+        if weak:
+            log.warning("%d client(s) have delta >= 1 / (their privacy units), a weak guarantee (weak_delta in %s); "
+                        "first: %s", len(weak), path.name, weak[:10])
         pd.DataFrame(rows).to_csv(path, index=False)
 
     def state_dict(self) -> dict[str, Any]:

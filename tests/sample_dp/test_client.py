@@ -28,7 +28,7 @@ def test_round_returns_the_delta_and_restores_the_model():
     first = train_sample_dp(model, _examples(40), CFG, 7, epochs=1.0)
     assert torch.equal(torch.random.get_rng_state(), global_state)  # sampling and noise use their own streams
     assert torch.equal(flat_params(model), start)
-    assert first.steps == 5 and first.num_examples == 40 and first.target_delta == 1 / 40
+    assert first.steps == 5 and first.num_examples == 40 and first.target_delta == 0.1 / 40
     again = train_sample_dp(model, _examples(40), CFG, 7, epochs=1.0)
     assert torch.equal(first.delta, again.delta) and first.delta.abs().sum() > 0
     other = train_sample_dp(model, _examples(40), CFG, 8, epochs=1.0)
