@@ -313,11 +313,20 @@ class DPFedAvgServer:
 
     def _privatize_and_step(self, agg: PrivateSum) -> None:
         """Release ``g_t`` from the mechanism (the noise is added there), then post-process it:
-        DiSK's filter if configured, the server optimizer, and DiSK's record of the actual move."""
+        DiSK's filter if configured, the server optimizer, and DiSK's record of the actual move.
+        DP-FedAdamBC subtracts the noise variance of what it is given: ``Phi_t`` of this round's
+        release (C_t moves under adaptive clipping), or DiSK's filtered ``V_t`` (:mod:`.optim.disk`)."""
+        p = self.cfg.privacy
+        phi = released_noise_variance(p.placement, agg.noise_multiplier, agg.clip_norm, agg.expected_cohort)
         g = agg.release(self.noise)
         if self.disk:
+            g = self.disk.filter_(g, phi)
+            phi = self.disk.noise_variance
+        if isinstance(self.optimizer, ServerAdamBC):
+            self.optimizer.set_phi(phi)
+        if self.disk:
             before = self.params.clone()
-            self.optimizer.step_(self.params, self.disk.filter_(g))
+            self.optimizer.step_(self.params, g)
             self.disk.record_(self.params - before)
         else:
             self.optimizer.step_(self.params, g)
@@ -406,9 +415,6 @@ class DPFedAvgServer:
             self.empty_rounds.append(self.round)
             log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
                       self.round, len(cohort))
-        if isinstance(self.optimizer, ServerAdamBC):  # this round's Phi_t (C_t moves under adaptive clipping)
-            self.optimizer.set_phi(released_noise_variance(p.placement, agg.noise_multiplier, agg.clip_norm,
-                                                           agg.expected_cohort))
         draw = draw_id(self.noise.state_dict()["generator"]) if agg.server_noise_std() > 0 else None
         self.releases.record(self.ledger, self.round, event, draw)  # durable BEFORE the noise is added
         self._privatize_and_step(agg)

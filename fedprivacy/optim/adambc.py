@@ -49,6 +49,11 @@ the other source of a time-varying Φ in the notes, is refused by this pipeline 
 (invariant 2: the divisor is the fixed expected cohort). Noise placements set Φ through
 :func:`fedprivacy.privacy.placement.released_noise_variance` (local noise: :math:`z^2C^2/m`).
 
+Under DiSK the optimizer is fed the FILTERED gradient, whose noise variance is the filter's
+:math:`V_t` (about ``0.54 Phi`` at ``kappa = 0.7``; :mod:`fedprivacy.optim.disk`), not Phi: the server
+and the record-level optimizer pass ``V_t`` to :meth:`ServerAdamBC.set_phi` each step, so the same
+EMA bias identity holds for the filtered stream.
+
 Precision: ``v_hat - Phi`` is a difference of nearly equal numbers when noise dominates; state
 has the dtype of ``params`` and must be float32 or wider (bf16/fp16 destroy it, notes §7 item 5).
 

@@ -16,6 +16,16 @@ combined vector, which the server clips once; the mechanism is DP-FedAvg's, so t
 is identical (the filter is post-processing). Single-pass cases: the first round (``d = 0``),
 ``kappa = 1`` (``c = 0``: plain base optimizer) and ``c = 1`` (lookahead only).
 
+Noise of the filtered gradient (what DP-FedAdamBC must subtract, not Phi): with ``g_t`` carrying
+independent noise of per-coordinate variance :math:`\Phi_t`, the filter's output carries
+
+.. math::
+    V_0 = \Phi_0, \qquad V_t = (1-\kappa)^2 V_{t-1} + \kappa^2 \Phi_t
+    \;\overset{\Phi_t \equiv \Phi}{=}\; \Phi\Big[(1-\kappa)^{2t}
+        + \tfrac{\kappa}{2-\kappa}\big(1 - (1-\kappa)^{2t}\big)\Big]
+
+(about ``0.54 Phi`` at ``kappa = 0.7``), tracked by :meth:`DiskFilter.filter_` as ``noise_variance``.
+
 Orientation: the paper's ``(1-kappa) * old + kappa * new``; the Opacus research code's reversed
 weights are NOT used (``notes/disk.md`` §7). With pseudo-gradients ``Delta = x_local - x`` the
 combination and the filter are linear, so the sign convention carries through unchanged.
@@ -62,6 +72,8 @@ class DiskFilter:
         self.gamma = gamma
         self.filtered: torch.Tensor | None = None
         self.displacement: torch.Tensor | None = None
+        self.noise_variance = 0.0
+        """Per-coordinate noise variance of ``filtered`` (module docstring: ``V_t``)."""
 
     @property
     def c(self) -> float:
@@ -73,12 +85,18 @@ class DiskFilter:
             return None
         return params + self.gamma * self.displacement
 
-    def filter_(self, g: torch.Tensor) -> torch.Tensor:
-        """``g~ <- (1 - kappa) g~ + kappa g`` (``g~ = g`` on the first call); returns ``g~``."""
+    def filter_(self, g: torch.Tensor, noise_variance: float = 0.0) -> torch.Tensor:
+        """``g~ <- (1 - kappa) g~ + kappa g`` (``g~ = g`` on the first call); returns ``g~``.
+
+        ``noise_variance``: the per-coordinate variance ``Phi_t`` of the noise in ``g``; the filtered
+        one, ``V_t = (1 - kappa)^2 V_{t-1} + kappa^2 Phi_t``, is then in :attr:`noise_variance`.
+        """
         if self.filtered is None:
             self.filtered = g.clone()
+            self.noise_variance = noise_variance
         else:
             self.filtered.mul_(1.0 - self.kappa).add_(g, alpha=self.kappa)
+            self.noise_variance = (1.0 - self.kappa) ** 2 * self.noise_variance + self.kappa**2 * noise_variance
         return self.filtered
 
     def record_(self, displacement: torch.Tensor) -> None:
@@ -86,8 +104,9 @@ class DiskFilter:
         self.displacement = displacement
 
     def state_dict(self) -> dict:
-        return {"filtered": self.filtered, "displacement": self.displacement}
+        return {"filtered": self.filtered, "displacement": self.displacement, "noise_variance": self.noise_variance}
 
     def load_state_dict(self, state: dict) -> None:
         self.filtered = state["filtered"]
         self.displacement = state["displacement"]
+        self.noise_variance = float(state.get("noise_variance", 0.0))  # absent before it was tracked

@@ -315,7 +315,11 @@ class SampleDPOptimizer(DPOptimizer):
             return
         with torch.no_grad():
             grads = [p.grad for p in self.params]
-            _assign_(grads, self.disk.filter_(torch.cat([g.reshape(-1) for g in grads])))
+            phi = dp_noise_variance(self.noise_multiplier, self.max_grad_norm, self.expected_batch_size)
+            _assign_(grads, self.disk.filter_(torch.cat([g.reshape(-1) for g in grads]), phi))
+            inner = getattr(self.original_optimizer, "inner", None)
+            if isinstance(inner, ServerAdamBC):  # DP-AdamBC subtracts the FILTERED noise variance V_t
+                inner.set_phi(self.disk.noise_variance)
             before = parameters_to_vector(self.params)
         self.original_optimizer.step()
         with torch.no_grad():

@@ -133,3 +133,43 @@ def test_invalid_parameters_are_rejected():
         DiskFilter(0.0, 0.5)
     with pytest.raises(ValueError, match="gamma"):
         DiskFilter(0.5, 0.0)
+
+
+def test_the_filtered_noise_variance_is_tracked_and_matches_monte_carlo():
+    """V_t = Phi [(1-k)^(2t) + k/(2-k) (1 - (1-k)^(2t))] for a constant Phi: closed form and sampled."""
+    kappa, phi, d = 0.7, 0.25, 400_000
+    f = DiskFilter(kappa, 0.5)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(10):
+        out = f.filter_(torch.randn(d, generator=gen) * phi**0.5, phi)
+        closed = phi * ((1 - kappa) ** (2 * t) + kappa / (2 - kappa) * (1 - (1 - kappa) ** (2 * t)))
+        assert f.noise_variance == pytest.approx(closed, rel=1e-12)
+        assert float(out.var()) == pytest.approx(closed, rel=0.01)
+    assert f.noise_variance == pytest.approx(0.538 * phi, rel=0.01)  # ~0.54 Phi at kappa = 0.7
+
+
+def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_config):
+    """The server's round under DiSK: g_t = s + N(0, Phi) per coordinate with s^2 = 0.09 Phi. After the
+    filter, E[v_hat] = s^2 + V_t with V_t ~ 0.54 Phi; DP-FedAdamBC must subtract V_t, so v_hat - V_t
+    estimates s^2 and few coordinates hit the floor (subtracting Phi floors every one of them)."""
+    from fedprivacy.fl.server_app import DPFedAvgServer
+    from fedprivacy.privacy.aggregation import PrivateSum
+    from fedprivacy.task import load_task
+
+    m, clip, s = 8, 1000.0, 0.3
+    z = m / clip  # Phi = (z C / m)^2 = 1
+    cfg = small_config("server.optimizer=adambc", "server.lr=1e-6", "server.beta2=0.99", "server.gamma_prime=1e-6",
+                       "server.disk.kappa=0.7", f"privacy.noise_multiplier={z}", f"privacy.clip_norm={clip}",
+                       f"privacy.expected_cohort={m}")
+    server = DPFedAvgServer(cfg, load_task(cfg.data))
+    d = server.params.numel()
+    for _ in range(300):
+        agg = PrivateSum(d, clip_norm=clip, noise_multiplier=z, expected_cohort=m)
+        for _ in range(m):
+            assert agg.add_(SparseUpdate.dense(torch.full((d,), s, dtype=torch.float32)))
+        server._privatize_and_step(agg)
+    opt = server.optimizer
+    shifted_square = opt._denominator(opt.v, opt.count) ** 2
+    assert server.disk.noise_variance == pytest.approx(0.538, rel=0.01)
+    assert float(shifted_square.mean()) == pytest.approx(s**2, rel=0.1)
+    assert float((shifted_square <= 1e-6).float().mean()) < 0.4

@@ -149,3 +149,30 @@ def test_adambc_bias_identity_under_opacus():
     clean = (rows * torch.clamp(clip_norm / rows.norm(dim=1), max=1.0)[:, None]).sum(0) / b
     excess = ((v_hat - clean**2) / cfg.phi).mean()
     assert excess == pytest.approx(1.0, abs=0.08)  # std of this mean ~ 0.016 (notes/adambc.md §1.6)
+
+
+def test_adambc_under_disk_subtracts_the_filtered_noise_variance():
+    """As above with DiSK (kappa = 0.7): Adam sees the filtered gradient, whose noise variance is
+    V_t = Phi [(1-k)^(2t) + k/(2-k)(1 - (1-k)^(2t))] (about 0.54 Phi), not Phi. The optimizer's
+    bias term must be the EMA of V_t, and it must match the measured excess of v_hat over clean^2."""
+    sigma, clip_norm, b, steps, kappa = 1.0, 1.0, 8, 10, 0.7
+    torch.manual_seed(0)
+    model = nn.Linear(200, 20).double()
+    x = torch.randn(b, 200, dtype=torch.float64)
+    y = torch.arange(b) % 20
+    cfg = SampleDPConfig(base="adambc", lr=0.0, noise_multiplier=sigma, clip_norm=clip_norm, batch_size=b,
+                         beta2=0.9, gamma_prime=1e-12, disk_kappa=kappa, disk_gamma=0.5)
+    gsm, opt = dp_setup(model, lambda p: make_base_optimizer(p, cfg), noise_multiplier=sigma, max_grad_norm=clip_norm,
+                        expected_batch_size=b, disk=DiskFilter(kappa, 0.5))
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        opt.step(closure_for(gsm, x, y))
+    inner = opt.original_optimizer.inner
+    t = steps - 1
+    assert inner.phi == pytest.approx(cfg.phi * ((1 - kappa) ** (2 * t) + kappa / (2 - kappa) * (1 - (1 - kappa) ** (2 * t))))
+    correction = 1 - cfg.beta2**steps
+    rows = manual_per_sample_grads(model, x, y)
+    clean = (rows * torch.clamp(clip_norm / rows.norm(dim=1), max=1.0)[:, None]).sum(0) / b
+    excess = (inner.v / correction - clean**2).mean()
+    assert inner.phi_ema / correction < 0.75 * cfg.phi  # well below Phi: subtracting Phi would over-correct
+    assert excess / (inner.phi_ema / correction) == pytest.approx(1.0, abs=0.1)
