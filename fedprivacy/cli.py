@@ -1,14 +1,17 @@
 """Command line: ``fedprivacy run | compare | report | epsilon | calibrate | audit | data generate | data stats``.
 
-Errors a user can fix (bad config field, missing or corrupt data file, existing run folder)
-print one clear line naming the field or file and exit with status 2, without a traceback.
+Errors a user can fix (bad config field, missing or corrupt data file, existing or busy run folder,
+a file-system error such as a full disk) print one clear line naming the field or file and exit
+with status 2, without a traceback; Ctrl-C exits with 130 and the command that resumes the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,13 +21,39 @@ BROKEN_VARIANT_NAMES = ("noise_off", "noise_after_optimizer")  # fedprivacy.audi
 
 EXIT_USAGE = 2
 EXIT_AUDIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+_OS_ERROR_HINTS = {errno.ENOSPC: "free some space, then rerun with --resume",
+                   errno.EACCES: "check the permissions", errno.EPERM: "check the permissions",
+                   errno.EROFS: "choose a writable location", errno.EEXIST: "a file is in the way of a folder",
+                   errno.ENOTDIR: "a file is in the way of a folder"}
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line: the path, the problem and (for common ones) what to do; an error without a path as it reads."""
+    if err.filename is None:
+        return str(err)
+    hint = _OS_ERROR_HINTS.get(err.errno)
+    return f"{err.filename}: {err.strerror or err}" + (f" ({hint})" if hint else "")
+
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from fedprivacy.outputs import CHECKPOINT
     from fedprivacy.run import run
 
     cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
-    summary = run(cfg, resume=args.resume)
+    try:
+        summary = run(cfg, resume=args.resume)
+    except KeyboardInterrupt:
+        if (Path(cfg.output_dir) / CHECKPOINT).is_file():
+            command = ["fedprivacy", "run", *([args.config] if args.config else []),
+                       *(f"--set={a}" for a in args.set), "--resume"]
+            print(f"fedprivacy: interrupted; resume the run with: {shlex.join(command)}", file=sys.stderr)
+        else:
+            print("fedprivacy: interrupted before the run's first checkpoint; rerun the same command to start it",
+                  file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -42,7 +71,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"fedprivacy: interrupted; rerun the same command to continue (finished runs are kept, "
               f"interrupted ones resume from their checkpoints in {study.output_dir}/runs)", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     print(f"runs: {len(result.done)} run now, {len(result.skipped)} already finished, {len(result.failed)} failed")
     for run_id, error in result.failed.items():
         print(f"  FAILED {run_id}: {error}", file=sys.stderr)
@@ -250,11 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from fedprivacy.data.stackoverflow import DataFormatError
+    from fedprivacy.locks import FolderBusyError
     from fedprivacy.outputs import RunExistsError
 
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, DataFormatError, RunExistsError, ValueError) as err:
+    except OSError as err:  # FileNotFoundError, PermissionError, a full disk, ...: the path and the problem
+        print(f"fedprivacy: error: {describe_os_error(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ConfigError, DataFormatError, RunExistsError, FolderBusyError, ValueError) as err:
         print(f"fedprivacy: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -8,6 +8,7 @@ every error names the offending field, so a typo never silently falls back to a 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -17,13 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 M = TypeVar("M", bound=BaseModel)
 
+MAX_NOISE_STD = math.sqrt(3.4028234663852886e38)
+"""Largest clip norm, noise multiplier and noise std (z C) on the sum: their squares (the noise's
+variance) stay finite in float32, the models' dtype (1e308 would overflow the noise draw)."""
+
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the field."""
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no field takes inf or NaN
 
 
 class DataConfig(_Section):
@@ -31,8 +36,10 @@ class DataConfig(_Section):
 
     path: Path = Path("data/synthetic")
     """Folder holding ``stackoverflow.sqlite``, ``stackoverflow.word_count``, ``stackoverflow.tag_count``."""
-    generate_if_missing: bool = True
-    """Generate the synthetic data set (deterministic per ``synthetic_seed``) if the folder is empty."""
+    generate_if_missing: bool | None = None
+    """Generate the synthetic data set (deterministic per ``synthetic_seed``) if the folder has no data
+    files: ``true`` anywhere, ``false`` never, ``null`` only into the default ``data/synthetic`` (so a
+    typo in ``path`` is an error, not a silently generated data set)."""
     synthetic_clients: int = Field(1000, ge=1)
     synthetic_seed: int = 0
     vocab_size: int = Field(10_000, ge=1)
@@ -83,8 +90,8 @@ class SampleDPClientConfig(_Section):
 
     optimizer: Literal["sgd", "adam", "adambc", "microadam"] = "sgd"
     lr: float = Field(0.1, ge=0.0)
-    noise_multiplier: float = Field(1.0, ge=0.0)
-    clip_norm: float = Field(1.0, gt=0.0)
+    noise_multiplier: float = Field(1.0, ge=0.0, le=MAX_NOISE_STD)
+    clip_norm: float = Field(1.0, gt=0.0, le=MAX_NOISE_STD)
     batch_size: float = Field(16.0, gt=0.0)
     """Expected records per step (Poisson); capped at n_i for clients with fewer records."""
     micro_batch_size: int | None = Field(None, ge=1)
@@ -310,8 +317,8 @@ class AdaptiveClipConfig(_Section):
 class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
-    clip_norm: float = Field(10.0, gt=0.0)
-    noise_multiplier: Annotated[float, Field(ge=0.0)] | Literal["auto"] = 1.0
+    clip_norm: float = Field(10.0, gt=0.0, le=MAX_NOISE_STD)
+    noise_multiplier: Annotated[float, Field(ge=0.0, le=MAX_NOISE_STD)] | Literal["auto"] = 1.0
     """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy). ``auto``:
     calibrated when the run starts (the population is known then) so that epsilon after ``rounds``
     rounds under ``budget_accountant`` is within 1% below ``target_epsilon``."""
@@ -364,6 +371,9 @@ class PrivacyConfig(_Section):
             if self.target_epsilon is None:
                 raise ValueError("privacy.noise_multiplier='auto' needs privacy.target_epsilon (the budget to calibrate to)")
             return self  # the remaining checks run again once the run has calibrated z
+        if self.noise_multiplier * self.clip_norm > MAX_NOISE_STD:
+            raise ValueError(f"privacy.noise_multiplier * privacy.clip_norm = {self.noise_multiplier * self.clip_norm:g} "
+                             f"(the noise std on the sum) must be <= {MAX_NOISE_STD:.3g}: its square overflows float32")
         if self.budget_accountant not in self.accountants:
             raise ValueError(
                 f"privacy.budget_accountant={self.budget_accountant!r} must be one of "
@@ -471,6 +481,16 @@ class RunConfig(_Section):
     def to_json(self) -> str:
         """Serialise (round-trips through :func:`config_from_json`)."""
         return self.model_dump_json()
+
+
+def config_differences(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Dotted field -> ``(old, new)`` for every value that differs between two config trees (dicts)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: dict[str, tuple[Any, Any]] = {}
+        for key in sorted(set(old) | set(new), key=str):
+            out |= config_differences(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return {} if old == new else {prefix.rstrip("."): (old, new)}
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

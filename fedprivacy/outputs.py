@@ -8,6 +8,7 @@ Layout of ``output_dir``::
     initial_model.pt    state dict before round 1
     final_model.pt      state dict after the last round
     checkpoint.pt       everything needed to resume (written atomically)
+    .lock               held by the run while it runs (:func:`run_lock`)
     metrics.png         test accuracy and epsilon vs round
     summary.json        final numbers and why the run stopped
     side_information.json   AdaDPS only: provenance of each public A the clients received
@@ -16,9 +17,12 @@ Layout of ``output_dir``::
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +30,87 @@ import pandas as pd
 import torch
 import yaml
 
-from fedprivacy.config import RunConfig
+from fedprivacy.config import RunConfig, config_differences
+from fedprivacy.locks import FolderBusyError, locked
 
 CHECKPOINT = "checkpoint.pt"
+RUN_LOCK = ".lock"
+FIXED_ON_RESUME = ("seed", "privacy.", "data.task", "data.vocab_size", "data.num_tags")
+"""Config fields (``.``: every field under the section) a resumed run cannot change: the privacy
+claim and its randomness, and what determines the model's shape (task, vocabulary, tags)."""
 
 
 class RunExistsError(RuntimeError):
     """The output folder already holds a run and resuming was not asked for."""
 
 
+class ResumeError(ValueError):
+    """``--resume`` cannot continue this folder: no checkpoint, an unreadable one, or a changed fixed field."""
+
+
+def run_lock(output_dir: str | Path, blocking: bool = False) -> AbstractContextManager[None]:
+    """Hold ``output_dir``'s run lock (one run writes a folder at a time; re-entrant in a process); another
+    process is refused with :class:`~fedprivacy.locks.FolderBusyError` naming the holder (or waits, ``blocking``)."""
+    return locked(Path(output_dir) / RUN_LOCK, blocking, FolderBusyError, "`fedprivacy run`", reentrant=True)
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """File-system errors while writing ``path`` name it (a write's ``OSError``, e.g. a full disk, names
+    no file; torch reports a failed write as a RuntimeError, ``enforce fail at inline_container.cc``)."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+    except RuntimeError as err:
+        if "inline_container" not in str(err):
+            raise
+        raise OSError(errno.EIO, f"write failed ({str(err).splitlines()[-1].strip()})", str(path)) from None
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
+    with writing(path):
+        torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A run's checkpoint.
+
+    Raises:
+        ResumeError: the file is not a readable checkpoint (corrupt or truncated), naming it.
+    """
+    try:
+        return torch.load(path, weights_only=False)
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch and pickle raise many kinds on a damaged file
+        raise ResumeError(f"{path} is not a readable checkpoint (corrupt or truncated: {type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}); move it away to start the run over") \
+            from None
+
+
+def require_checkpoint(output_dir: str | Path) -> None:
+    """Raises ResumeError ("nothing to resume in DIR") when ``output_dir`` holds no checkpoint."""
+    if not (Path(output_dir) / CHECKPOINT).is_file():
+        raise ResumeError(f"nothing to resume in {output_dir} (no {CHECKPOINT}); run without --resume to start it")
+
+
+def check_resumable(saved: str, cfg: RunConfig) -> None:
+    """Refuse to resume under ``cfg`` a run checkpointed with config ``saved`` (its ``to_json()``) if a
+    :data:`FIXED_ON_RESUME` field changed.
+
+    Raises:
+        ResumeError: naming every changed fixed field, old and new value.
+    """
+    changed = config_differences(json.loads(saved), json.loads(cfg.to_json()))
+    fixed = {k: v for k, v in changed.items() if k.startswith(FIXED_ON_RESUME)}
+    if fixed:
+        raise ResumeError("--resume cannot change " + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
+                          + " (the run was started with the old values; restore them or use another output_dir)")
 
 
 class RunOutputs:
@@ -55,20 +127,29 @@ class RunOutputs:
         return self.dir / CHECKPOINT
 
     def prepare(self, resume: bool) -> dict | None:
-        """Create the folder; return the checkpoint to resume from (or ``None`` for a fresh run)."""
+        """Create the folder and write config.yaml; return the checkpoint to resume from (``None``: a fresh run).
+
+        Raises:
+            RunExistsError: the folder holds a checkpoint and ``resume`` is false.
+            ResumeError: ``resume`` and no checkpoint, an unreadable one, or one saved under a config
+                whose :data:`FIXED_ON_RESUME` fields differ from this run's.
+        """
+        if resume:
+            require_checkpoint(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        state = None
         if self.checkpoint_path.exists():
             if not resume:
                 raise RunExistsError(
                     f"{self.dir} already holds a run ({CHECKPOINT}); pass --resume to continue it "
                     "or choose another output_dir"
                 )
-            state = torch.load(self.checkpoint_path, weights_only=False)
+            state = load_checkpoint(self.checkpoint_path)
+            check_resumable(state["config"], self.cfg)
             self.rows = list(state["metrics"])
             self._write_metrics()
-            return state
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(json.loads(self.cfg.to_json()), sort_keys=False))
-        return None
+        self._write_text("config.yaml", yaml.safe_dump(json.loads(self.cfg.to_json()), sort_keys=False))
+        return state
 
     def log_round(self, row: dict[str, float]) -> None:
         """Add a round's row to ``metrics.csv``: appended as one line when it has the file's columns
@@ -78,13 +159,18 @@ class RunOutputs:
         if list(row) != self._columns:
             self._write_metrics()
             return
-        with open(self.dir / "metrics.csv", "a", newline="") as f:
+        with writing(self.dir / "metrics.csv"), open(self.dir / "metrics.csv", "a", newline="") as f:
             csv.writer(f).writerow("" if isinstance(v, float) and math.isnan(v) else v for v in row.values())
 
     def _write_metrics(self) -> None:
         frame = pd.DataFrame(self.rows)
-        frame.to_csv(self.dir / "metrics.csv", index=False)
+        with writing(self.dir / "metrics.csv"):
+            frame.to_csv(self.dir / "metrics.csv", index=False)
         self._columns = list(frame.columns)
+
+    def _write_text(self, name: str, text: str) -> None:
+        with writing(self.dir / name):
+            (self.dir / name).write_text(text)
 
     def save_model(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
         _atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.dir / name)
@@ -94,12 +180,13 @@ class RunOutputs:
 
     def write_json(self, name: str, data: Any) -> None:
         """``name`` in the run folder, as indented JSON."""
-        (self.dir / name).write_text(json.dumps(data, indent=2, default=str))
+        self._write_text(name, json.dumps(data, indent=2, default=str))
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.write_json("summary.json", summary)
         if self.rows:
-            plot_metrics(pd.DataFrame(self.rows), self.dir / "metrics.png", summary.get("majority_baseline_accuracy"))
+            with writing(self.dir / "metrics.png"):
+                plot_metrics(pd.DataFrame(self.rows), self.dir / "metrics.png", summary.get("majority_baseline_accuracy"))
 
 
 def plot_metrics(df: pd.DataFrame, path: Path, baseline: float | None = None) -> None:

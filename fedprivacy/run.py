@@ -14,25 +14,33 @@ from fedprivacy.config import RunConfig
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
+from fedprivacy.outputs import require_checkpoint, run_lock
 from fedprivacy.task import ensure_data, load_task
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
-    """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary."""
+    """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary.
+
+    The run holds ``cfg.output_dir``'s lock throughout: a second run into the folder is refused
+    (:class:`~fedprivacy.locks.FolderBusyError` naming this one's pid, host and start time).
+    """
+    if resume:
+        require_checkpoint(cfg.output_dir)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     started = time.time()
     ensure_data(cfg.data)
-    task = load_task(cfg.data)
-    server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
-    if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
-        run_inprocess(server_app, client_app, task.population, prefetch=task.prefetch, processes=cfg.processes)
-    else:
-        from fedprivacy.engines.ray import run_ray
+    with run_lock(cfg.output_dir):
+        task = load_task(cfg.data)
+        server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
+        if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
+            run_inprocess(server_app, client_app, task.population, prefetch=task.prefetch, processes=cfg.processes)
+        else:
+            from fedprivacy.engines.ray import run_ray
 
-        run_ray(server_app, client_app, task.population, cfg.ray)
+            run_ray(server_app, client_app, task.population, cfg.ray)
     summary_path = Path(cfg.output_dir) / "summary.json"
     if not summary_path.exists() or summary_path.stat().st_mtime < started:
         raise RuntimeError(f"the {cfg.engine} engine finished without writing {summary_path}; see the log above")

@@ -24,9 +24,11 @@ Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -38,8 +40,8 @@ from fedprivacy.data.hdf5 import SPLIT_FILES
 from fedprivacy.data.next_word import FederatedTokenData, special_tokens
 from fedprivacy.data.prepared import prepared_tags, prepared_tokens
 from fedprivacy.data.readahead import advise_rows
-from fedprivacy.data.sources import ExampleSource, open_source
-from fedprivacy.data.synthetic import generate
+from fedprivacy.data.sources import ExampleSource, file_identity, open_source
+from fedprivacy.data.synthetic import SYNTHETIC_MARKER, generate
 from fedprivacy.data.tag_prediction import FederatedTagData
 from fedprivacy.data.views import Partition, natural, split_by_position
 from fedprivacy.models.logistic import SparseLogisticRegression
@@ -61,22 +63,38 @@ def data_files(cfg: DataConfig) -> tuple[Path, ...]:
     return (*examples, cfg.path / WORD_COUNT, cfg.path / TAG_COUNT)
 
 
+def may_generate(cfg: DataConfig) -> bool:
+    """Whether missing data may be generated into ``cfg.path``: asked for, or the default synthetic folder."""
+    if cfg.generate_if_missing is not None:
+        return cfg.generate_if_missing
+    return cfg.path == DataConfig.model_fields["path"].default
+
+
 def ensure_data(cfg: DataConfig) -> None:
-    """Generate the synthetic data set if it is missing and allowed; otherwise name what is missing."""
+    """Generate the synthetic data set if it is missing and allowed (:func:`may_generate`); otherwise
+    name what is missing."""
     files = data_files(cfg)
     missing = [p for p in files if not p.exists()]
     if not missing:
         return
-    if len(missing) < len(files) or not cfg.generate_if_missing:
+    if len(missing) < len(files) or not may_generate(cfg):
         raise FileNotFoundError(
             "data file(s) not found: " + ", ".join(str(p) for p in missing)
-            + (" (set data.generate_if_missing=true to generate synthetic data)" if not cfg.generate_if_missing else
-               " (the folder is partly filled; remove it or supply the missing files)")
-        )
+            + (" (the folder is partly filled; remove it or supply the missing files)" if len(missing) < len(files)
+               else " (check data.path, or set data.generate_if_missing=true to generate synthetic data there)"))
     log.info("generating synthetic StackOverflow data (%d users, seed %d) in %s",
              cfg.synthetic_clients, cfg.synthetic_seed, cfg.path)
     generate(cfg.path, num_clients=cfg.synthetic_clients, seed=cfg.synthetic_seed, format=cfg.source)
 
+
+def data_provenance(cfg: DataConfig) -> dict[str, Any]:
+    """Where a run's data came from, for ``summary.json``: the source format, the folder, whether the
+    files are synthetic (with the generator's arguments, from :data:`SYNTHETIC_MARKER`) and each data
+    file's identity (:func:`~fedprivacy.data.sources.file_identity`: size, mtime, SHA-256 of its ends)."""
+    marker = cfg.path / SYNTHETIC_MARKER
+    generator = json.loads(marker.read_text()) if marker.is_file() else None
+    return {"source": cfg.source, "path": str(cfg.path.resolve()), "synthetic": generator is not None,
+            "generator": generator, "files": {p.name: file_identity(p) for p in data_files(cfg)}}
 
 
 def _cache_root(cfg: DataConfig) -> Path | None:

@@ -1,11 +1,23 @@
-"""metrics.csv: rows appended one line at a time read back exactly as a full rewrite writes them."""
+"""A run's folder: metrics.csv rows appended one line at a time read back exactly as a full rewrite
+writes them; resuming refuses what would break the run; failed writes and a held folder say what
+and where in one line."""
 
+import errno
 import math
+import os
+import socket
+import subprocess
+import sys
 
 import pandas as pd
+import pytest
+import yaml
 
+from fedprivacy.cli import describe_os_error
 from fedprivacy.config import build_config
-from fedprivacy.outputs import RunOutputs
+from fedprivacy.locks import FolderBusyError
+from fedprivacy.outputs import ResumeError, RunOutputs
+from fedprivacy.run import run
 
 
 def _outputs(tmp_path):
@@ -39,3 +51,89 @@ def test_a_row_with_new_columns_rewrites_the_file_with_them(tmp_path):
     df = pd.read_csv(out.dir / "metrics.csv")
     assert list(df.columns) == [*_row(1), "test_loss"]
     assert math.isnan(df["test_loss"][0]) and df["test_loss"].tolist()[1:] == [0.5, 0.25]
+
+
+def _checkpointed(tmp_path, **tree) -> RunOutputs:
+    """A run folder holding a checkpoint of round 1 (as the server writes it) under the config ``tree``."""
+    out = RunOutputs(build_config({"output_dir": str(tmp_path / "run"), **tree}))
+    out.prepare(resume=False)
+    out.log_round(_row(1))
+    out.save_checkpoint({"round": 1})
+    return out
+
+
+@pytest.mark.parametrize("override, fields", [
+    ("privacy.noise_multiplier=2.0", ["privacy.noise_multiplier"]),
+    ("privacy.adaptive_clipping={target_quantile: 0.5}", ["privacy.adaptive_clipping"]),
+    ("seed=7", ["seed"]),
+    ("data.vocab_size=100", ["data.vocab_size"]),
+    ("data.task=next_word", ["data.task"]),
+])
+def test_resume_refuses_a_changed_privacy_setting_seed_or_model_shape_naming_it(tmp_path, override, fields):
+    _checkpointed(tmp_path)
+    changed = RunOutputs(build_config({"output_dir": str(tmp_path / "run")}, [override]))
+    with pytest.raises(ResumeError, match="--resume cannot change") as err:
+        changed.prepare(resume=True)
+    assert all(f in str(err.value) for f in fields)
+
+
+def test_resume_writes_allowed_changes_to_config_yaml(tmp_path):
+    _checkpointed(tmp_path)
+    longer = RunOutputs(build_config({"output_dir": str(tmp_path / "run")}, ["rounds=80", "client.lr=1.0"]))
+    assert longer.prepare(resume=True)["round"] == 1
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["rounds"] == 80 and saved["client"]["lr"] == 1.0
+
+
+@pytest.mark.parametrize("make", [lambda d: None, lambda d: d.mkdir()], ids=["no folder", "no checkpoint"])
+def test_resume_without_a_checkpoint_is_refused_and_creates_nothing(tmp_path, make):
+    make(tmp_path / "run")
+    existed = (tmp_path / "run").exists()
+    with pytest.raises(ResumeError, match=f"nothing to resume in {tmp_path / 'run'}"):
+        RunOutputs(build_config({"output_dir": str(tmp_path / "run")})).prepare(resume=True)
+    assert (tmp_path / "run").exists() == existed
+
+
+def test_a_corrupt_checkpoint_is_named(tmp_path):
+    out = _checkpointed(tmp_path)
+    out.checkpoint_path.write_bytes(out.checkpoint_path.read_bytes()[:100])  # truncated
+    with pytest.raises(ResumeError, match=f"{out.checkpoint_path} is not a readable checkpoint"):
+        RunOutputs(out.cfg).prepare(resume=True)
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _torch_write_failed(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
+
+@pytest.mark.parametrize("where, failure, write, name", [
+    ("torch.save", _no_space, lambda out: out.save_checkpoint({"round": 1}), "checkpoint.pt"),
+    ("torch.save", _torch_write_failed, lambda out: out.save_model("final_model.pt", {}), "final_model.pt"),
+    ("pathlib.Path.write_text", _no_space, lambda out: out.write_json("summary.json", {}), "summary.json"),
+    ("pandas.DataFrame.to_csv", _no_space, lambda out: out.log_round(_row(1)), "metrics.csv"),
+], ids=["checkpoint", "model-torch-enforce-fail", "summary", "metrics"])
+def test_a_failed_write_names_the_file_in_one_line(tmp_path, monkeypatch, where, failure, write, name):
+    out = _outputs(tmp_path)
+    monkeypatch.setattr(where, failure)
+    with pytest.raises(OSError) as err:
+        write(out)
+    assert err.value.filename == str(out.dir / name)
+    line = describe_os_error(err.value)
+    assert str(out.dir / name) in line and "\n" not in line
+    if failure is _no_space:
+        assert "No space left on device" in line and "--resume" in line
+
+
+def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fedprivacy.outputs import run_lock\n"
+                               f"with run_lock({str(tmp_path / 'run')!r}):\n print('held', flush=True)\n"
+                               " sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(FolderBusyError, match=rf"pid {holder.pid}, host {socket.gethostname()}, started 20"):
+            run(build_config({"output_dir": str(tmp_path / "run")}))
+    finally:
+        holder.communicate("")

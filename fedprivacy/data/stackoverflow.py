@@ -23,6 +23,7 @@ import json
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 from fedprivacy.data.example_proto import decode_example
 
@@ -56,6 +57,17 @@ def _existing(path: str | Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _text(path: Path) -> Iterator[TextIO]:
+    """``path`` opened as UTF-8 text; bytes that are not UTF-8 raise a DataFormatError naming the file."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            yield f
+        except UnicodeDecodeError as err:
+            raise DataFormatError(f"{path}: not UTF-8 text (it holds byte {err.object[err.start]:#04x}, "
+                                  f"{err.reason}); is it the right file?") from None
+
+
 def read_word_counts(path: str | Path, vocab_size: int | None = None) -> dict[str, int]:
     """Reads a ``stackoverflow.word_count`` file (``word count`` per line).
 
@@ -73,7 +85,7 @@ def read_word_counts(path: str | Path, vocab_size: int | None = None) -> dict[st
     """
     path = _existing(path)
     counts: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
+    with _text(path) as f:
         for line_number, line in enumerate(f, start=1):
             if vocab_size is not None and len(counts) >= vocab_size:
                 break
@@ -100,7 +112,7 @@ def read_tag_counts(path: str | Path) -> dict[str, int]:
         DataFormatError: If the file is not a JSON object of integer counts.
     """
     path = _existing(path)
-    with open(path, encoding="utf-8") as f:
+    with _text(path) as f:
         try:
             counts = json.load(f)
         except json.JSONDecodeError as err:

@@ -48,11 +48,13 @@ import numpy as np
 from fedprivacy.data.example_proto import encode_example
 from fedprivacy.data.hdf5 import SPLIT_FILES, H5Writer
 
-__all__ = ["SyntheticFiles", "generate"]
+__all__ = ["SyntheticFiles", "generate", "SYNTHETIC_MARKER"]
 
 SQLITE_NAME = "stackoverflow.sqlite"
 WORD_COUNT_NAME = "stackoverflow.word_count"
 TAG_COUNT_NAME = "stackoverflow.tag_count"
+SYNTHETIC_MARKER = "synthetic.json"
+"""Written beside the generated files: the generator's arguments (tells synthetic data from real)."""
 
 _STOP_WORDS = (
     "the . , to i a is and in of it you that this for ) ( have with be on not can if but "
@@ -410,4 +412,6 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
                   partial[files.tag_count])
     for path, temporary in partial.items():
         os.replace(temporary, path)
+    (out_dir / SYNTHETIC_MARKER).write_text(json.dumps(
+        {"generator": __name__, "num_clients": num_clients, "seed": seed, "format": format}))
     return files

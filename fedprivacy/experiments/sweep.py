@@ -8,8 +8,8 @@ Layout of a study's ``output_dir``::
     results/, figures/, report.md      written by :func:`fedprivacy.experiments.report.write_report`
 
 Resume: a run whose ``summary.json`` is complete is skipped; any other run is started with
-``run(cfg, resume=True)``, which continues from its ``checkpoint.pt`` (model, optimizer, sampler,
-noise generator and privacy ledger as they were) or starts fresh when there is none. Rerunning the
+``run(cfg, resume=True)`` when it has a ``checkpoint.pt``, which continues from it (model, optimizer,
+sampler, noise generator and privacy ledger as they were), or fresh when there is none. Rerunning the
 same study therefore continues an interrupted sweep. A study whose runs' configs changed since
 ``study.json`` was written is refused (:class:`StudyChangedError`); new runs (an extra seed, method
 or grid value) are added.
@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -38,14 +38,12 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from fedprivacy.config import RunConfig, config_from_json
+from fedprivacy.config import RunConfig, config_differences, config_from_json
+from fedprivacy.engines.processes import usable_cores
 from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on Linux/macOS: no locks, the rest works
-    fcntl = None  # type: ignore[assignment]
+from fedprivacy.locks import FolderBusyError, locked
+from fedprivacy.outputs import CHECKPOINT, run_lock
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ class StudyChangedError(ValueError):
     """The study's output folder holds runs of a different configuration."""
 
 
-class SweepBusyError(RuntimeError):
+class SweepBusyError(FolderBusyError):
     """Another ``fedprivacy compare`` is running on the same output folder."""
 
 
@@ -143,15 +141,6 @@ def read_manifest(output_dir: Path) -> dict[str, Any]:
     return data
 
 
-def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out: list[str] = []
-        for key in sorted(set(old) | set(new), key=str):
-            out += _differences(old.get(key), new.get(key), f"{prefix}{key}.")
-        return out
-    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
-
-
 def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
     """Refuse a study whose runs (same id) now have a different config than when they were started.
 
@@ -161,29 +150,11 @@ def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
     before = {r["run_id"]: r["config"] for r in old["runs"]}
     for run in new["runs"]:
         if run["run_id"] in before and before[run["run_id"]] != run["config"]:
-            diff = _differences(before[run["run_id"]], run["config"])
+            changed = config_differences(before[run["run_id"]], run["config"])
+            diff = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
             raise StudyChangedError(
                 f"{old['study']['output_dir']} holds run {run['run_id']} with a different configuration "
                 f"({'; '.join(diff[:5])}); use another output_dir (--set output_dir=...) or restore the study")
-
-
-@contextmanager
-def _locked(path: Path, blocking: bool) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` for the duration (no-op without fcntl)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        if fcntl is not None:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                f.seek(0)
-                raise SweepBusyError(f"another `fedprivacy compare` (pid {f.read().strip() or '?'}) is running on "
-                                     f"{path.parent}") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        yield
 
 
 # -- worker process ---------------------------------------------------------------------------
@@ -222,8 +193,7 @@ def execute(run_id: str, config_json: str) -> dict[str, Any]:
 
     cfg: RunConfig = config_from_json(config_json)
     folder = Path(cfg.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder / ".lock", blocking=True):
+    with run_lock(folder, blocking=True):
         if run_state(folder) == "finished":
             return {"run_id": run_id, "status": "skipped"}
         if _events is not None:
@@ -235,7 +205,7 @@ def execute(run_id: str, config_json: str) -> dict[str, Any]:
         _write_record(folder, record)
         t0 = time.perf_counter()
         try:
-            summary = run(cfg, resume=True)
+            summary = run(cfg, resume=(folder / CHECKPOINT).exists())
         except BaseException as err:  # noqa: BLE001 - reported to the parent, which carries on
             (folder / ERROR_FILE).write_text(traceback.format_exc())
             logging.getLogger(__name__).exception("run %s failed", run_id)
@@ -253,13 +223,6 @@ class SweepResult:
     skipped: list[str] = field(default_factory=list)
     done: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
-
-
-def default_jobs() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
 
 
 def prepare_data(specs: list[RunSpec]) -> None:
@@ -307,7 +270,7 @@ def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: boo
     specs = expand(study)
     out = Path(study.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".sweep.lock", blocking=False):
+    with locked(out / ".sweep.lock", blocking=False, error=SweepBusyError, what="`fedprivacy compare`"):
         new = manifest(study, specs)
         if (out / MANIFEST).exists():
             check_compatible(read_manifest(out), new)
@@ -321,35 +284,49 @@ def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: boo
                 todo.append(s)
         if todo:
             prepare_data(todo)
-            _run_parallel(study, specs, todo, jobs or default_jobs(), result, show_progress)
+            _run_parallel(study, specs, todo, jobs or usable_cores(), result, show_progress)
         return result
 
 
 def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec], jobs: int, result: SweepResult,
-                  show_progress: bool | None) -> None:
+                  show_progress: bool | None, target: Callable[[str, str], dict[str, Any]] = execute) -> None:
+    """Run ``todo`` on ``jobs`` one-worker pools, ``target(run_id, config_json)`` per run (:func:`execute`).
+
+    Each pool has one worker, so a worker that dies (killed for memory, ``kill -9``) breaks only its
+    own pool: only the run it was running fails, its pool is replaced, and the other runs go on.
+    """
     ctx = get_context("spawn")
     events = ctx.Queue()
     rounds = {s.run_id: s.config.rounds for s in specs}
     progress = SweepProgress(rounds, finished=result.skipped, enabled=show_progress)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
-    with _single_threaded_children():
-        pool = ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker,
-                                   initargs=(events, os.getpid()))
+
+    def new_pool() -> ProcessPoolExecutor:
+        with _single_threaded_children():
+            return ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(events, os.getpid()))
+
+    idle = [new_pool() for _ in range(min(jobs, len(todo)))]
+    queue, running = list(reversed(todo)), {}  # future -> (run id, its pool)
     try:
         with progress:
-            pending = {pool.submit(execute, s.run_id, s.config.to_json()): s.run_id for s in todo}
-            while pending:
+            while queue or running:
+                while queue and idle:
+                    spec, pool = queue.pop(), idle.pop()
+                    running[pool.submit(target, spec.run_id, spec.config.to_json())] = (spec.run_id, pool)
                 while not events.empty():
                     _, rid = events.get()
                     progress.started(rid, rounds_logged(run_dir(study, rid)))
-                done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                done, _ = wait(running, timeout=0.25, return_when=FIRST_COMPLETED)
                 for future in done:
-                    rid = pending.pop(future)
+                    rid, pool = running.pop(future)
                     try:
                         outcome = future.result()
-                    except BrokenProcessPool:  # a worker died (e.g. killed for memory): rerunning resumes
+                    except BrokenProcessPool:  # its worker died (e.g. killed for memory): rerunning resumes
                         outcome = {"run_id": rid, "status": "failed",
-                                   "error": "a worker process died (killed?); rerun the sweep to resume this run"}
+                                   "error": "its worker process died (killed?); rerun the sweep to resume this run"}
+                        pool.shutdown(wait=False)
+                        pool = new_pool()
+                    idle.append(pool)
                     if outcome["status"] == "failed":
                         result.failed[rid] = outcome["error"]
                     else:
@@ -357,11 +334,13 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
                     progress.finished(rid, outcome["status"], outcome.get("summary"), outcome.get("error"))
                 progress.poll(lambda rid: rounds_logged(run_dir(study, rid)))
     except BaseException:  # Ctrl-C, SIGTERM: stop the running runs now (rerunning resumes them)
-        for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
-            if process.is_alive():
-                process.terminate()
+        for _, pool in running.values():
+            for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
+                if process.is_alive():
+                    process.terminate()
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        for pool in [*idle, *(pool for _, pool in running.values())]:
+            pool.shutdown(wait=True, cancel_futures=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -15,7 +15,9 @@ import pytest
 from fedprivacy.experiments import compare, load_study
 from fedprivacy.experiments.results import load_results, without_wall_time
 from fedprivacy.experiments.study import expand
-from fedprivacy.experiments.sweep import StudyChangedError, SweepBusyError, _locked, rounds_logged, run_state, run_sweep
+from fedprivacy.experiments.sweep import (StudyChangedError, SweepBusyError, SweepResult, _run_parallel, rounds_logged,
+                                         run_state, run_sweep)
+from fedprivacy.locks import locked
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +54,7 @@ def test_sweep_runs_everything_then_skips_it_and_refuses_a_changed_study(tiny_st
 
 def test_a_second_sweep_on_the_same_folder_is_refused(tiny_study):
     study = load_study(tiny_study())
-    with _locked(Path(study.output_dir) / ".sweep.lock", blocking=False):
+    with locked(Path(study.output_dir) / ".sweep.lock", blocking=False):
         with pytest.raises(SweepBusyError, match=f"pid {os.getpid()}"):
             run_sweep(study, jobs=1, show_progress=False)
 
@@ -106,3 +108,24 @@ def test_killed_sweep_restarts_where_it_stopped_and_matches_an_uninterrupted_one
     killed, clean = _tables(Path(study.output_dir)), _tables(fresh)
     for name in killed:
         pd.testing.assert_frame_equal(killed[name], clean[name], check_exact=True, obj=name)
+
+
+DOOMED = "DP-FedAdam__eps8__default__s0"
+
+
+def _run_or_die(run_id: str, config_json: str) -> dict:
+    """A sweep worker's target: the doomed run's worker is killed (as for memory), the others finish."""
+    if run_id == DOOMED:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)  # the killed worker's neighbour is still running when it dies
+    return {"run_id": run_id, "status": "done", "summary": {"rounds_completed": 4}}
+
+
+def test_a_killed_worker_fails_only_its_own_run(tiny_study):
+    study = load_study(tiny_study())
+    specs = expand(study)
+    assert DOOMED in {s.run_id for s in specs}
+    result = SweepResult()
+    _run_parallel(study, specs, specs, 2, result, False, target=_run_or_die)
+    assert list(result.failed) == [DOOMED] and "worker process died" in result.failed[DOOMED]
+    assert sorted(result.done) == sorted(s.run_id for s in specs if s.run_id != DOOMED)

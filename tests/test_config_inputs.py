@@ -1,0 +1,63 @@
+"""Crafted config values (non-finite, huge, negative, wrong types) are refused naming the field."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedprivacy.config import MAX_NOISE_STD, ConfigError, build_config
+
+NON_FINITE = st.sampled_from([math.inf, -math.inf, math.nan, ".inf", "-.inf", ".nan"])
+HUGE = st.floats(min_value=MAX_NOISE_STD * 1.0001, max_value=1.7976931348623157e308)
+WRONG_TYPE = st.sampled_from(["abc", [1.0], {"a": 1}, "1.0.0"])
+FIELDS = ["privacy.clip_norm", "privacy.noise_multiplier", "client.sample_dp.clip_norm",
+          "client.sample_dp.noise_multiplier"]
+
+
+def _tree(field: str, value) -> dict:
+    """A config tree setting the dotted ``field`` to ``value`` (``value`` as YAML would give it)."""
+    section, *rest = field.split(".")
+    tree = {section: {}}
+    node = tree[section]
+    for part in rest[:-1]:
+        node = node.setdefault(part, {})
+    node[rest[-1]] = value
+    return tree
+
+
+def _refused(field: str, value) -> str:
+    with pytest.raises(ConfigError) as err:
+        build_config(_tree(field, value))
+    return str(err.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(FIELDS), value=st.one_of(NON_FINITE, HUGE, WRONG_TYPE))
+def test_non_finite_huge_or_mistyped_clip_and_noise_are_refused_naming_the_field(field, value):
+    assert field in _refused(field, value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(field=st.sampled_from(FIELDS), value=st.floats(max_value=-1e-300, allow_nan=False))
+def test_negative_clip_and_noise_are_refused_naming_the_field(field, value):
+    assert field in _refused(field, value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(z=st.floats(min_value=1.0, max_value=MAX_NOISE_STD), c=st.floats(min_value=1.0, max_value=MAX_NOISE_STD))
+def test_a_noise_std_whose_square_overflows_is_refused_naming_both_fields(z, c):
+    tree = {"privacy": {"noise_multiplier": z, "clip_norm": c}}
+    if z * c <= MAX_NOISE_STD:
+        assert math.isfinite((z * c) ** 2) and build_config(tree).privacy.clip_norm == c
+    else:
+        with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier \* privacy\.clip_norm"):
+            build_config(tree)
+
+
+@pytest.mark.parametrize("override", ["privacy.clip_norm=.inf", "privacy.clip_norm=1e308",
+                                      "privacy.noise_multiplier=.inf", "privacy.noise_multiplier=.nan",
+                                      "round_timeout_s=.inf", "client.lr=.nan"])
+def test_the_testers_overrides_are_refused_naming_the_field(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        build_config({}, [override])
