@@ -23,7 +23,7 @@ EXIT_USAGE = 2
 EXIT_AUDIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
-_OS_ERROR_HINTS = {errno.ENOSPC: "free some space, then rerun with --resume",
+_OS_ERROR_HINTS = {errno.ENOSPC: "free some space and rerun; --resume continues from the last checkpoint",
                    errno.EACCES: "check the permissions", errno.EPERM: "check the permissions",
                    errno.EROFS: "choose a writable location", errno.EEXIST: "a file is in the way of a folder",
                    errno.ENOTDIR: "a file is in the way of a folder"}

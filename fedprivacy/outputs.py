@@ -73,7 +73,11 @@ def writing(path: Path) -> Iterator[None]:
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with writing(path):
-        torch.save(obj, tmp)
+        try:
+            torch.save(obj, tmp)
+        except BaseException:  # a full disk: free what was written; ``path`` keeps its last complete version
+            tmp.unlink(missing_ok=True)
+            raise
     os.replace(tmp, path)
 
 

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -125,6 +126,21 @@ def test_a_failed_write_names_the_file_in_one_line(tmp_path, monkeypatch, where,
     assert str(out.dir / name) in line and "\n" not in line
     if failure is _no_space:
         assert "No space left on device" in line and "--resume" in line
+    assert not list(out.dir.glob("*.tmp"))  # what a failed save wrote is removed
+
+
+def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    out = _checkpointed(tmp_path)
+    before = out.checkpoint_path.read_bytes()
+
+    def partly_written(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"half a checkpoint")
+        _no_space()
+
+    monkeypatch.setattr("torch.save", partly_written)
+    with pytest.raises(OSError, match="No space left"):
+        out.save_checkpoint({"round": 2})
+    assert out.checkpoint_path.read_bytes() == before and not list(out.dir.glob("*.tmp"))
 
 
 def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(tmp_path):
