@@ -3,6 +3,10 @@
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +180,18 @@ def test_ctrl_c_prints_one_line_with_the_command_that_resumes(tmp_path, capsys, 
         assert err.endswith(f"fedprivacy run '{config}' --set=rounds=5 --resume")
     else:
         assert "before the run's first checkpoint" in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_real_run_exits_130_with_one_line(small_config, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(json.loads(small_config("rounds=100000").to_json())))
+    proc = subprocess.Popen([sys.executable, "-m", "fedprivacy", "run", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "run" / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"fedprivacy: interrupted; resume the run with: fedprivacy run {config} --resume"
