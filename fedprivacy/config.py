@@ -494,13 +494,17 @@ def config_differences(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
+    """One line per field; a union's alternatives (``float | 'auto'``) share one line, joined with "or"."""
+    problems: dict[str, tuple[list[str], Any]] = {}
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {field}: unknown field")
-        else:
-            lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r})")
+        # a union's alternatives appear in the location as tags such as "constrained-float", not field names
+        field = ".".join(str(p) for p in e["loc"] if not isinstance(p, str) or p.isidentifier()) or "<root>"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        problems.setdefault(field, ([], e.get("input")))[0].append(msg)
+    lines = [f"invalid configuration ({source}):"]
+    for field, (msgs, given) in problems.items():
+        said = " or ".join([msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
+        lines.append(f"  {field}: {said}" + ("" if said == "unknown field" else f" (got {given!r})"))
     return "\n".join(lines)
 
 

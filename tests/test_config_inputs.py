@@ -61,3 +61,10 @@ def test_a_noise_std_whose_square_overflows_is_refused_naming_both_fields(z, c):
 def test_the_testers_overrides_are_refused_naming_the_field(override):
     with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
         build_config({}, [override])
+
+
+def test_a_bad_value_of_a_union_field_is_one_line_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["privacy.noise_multiplier=.inf"])
+    assert str(err.value).splitlines()[1:] == ["  privacy.noise_multiplier: Input should be a finite number or 'auto' "
+                                               "(got inf)"]
