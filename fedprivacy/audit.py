@@ -1,80 +1,132 @@
-"""``fedprivacy audit``: an empirical lower bound on the epsilon of one DP-FedAvg round.
+r"""``fedprivacy audit``: an empirical lower bound on the epsilon of one DP-FedAvg round.
 
-Each trial runs the REAL server round (``DPFedAvgServer``, its aggregation, noise and server
-optimizer, through the in-process Flower grid) from a fresh state, with every one of ``m``
-clients in the cohort (fixed-size sampling of ``m`` out of ``m``):
+**What is claimed.** One round of the configured mechanism releases
+:math:`g = \frac1m\big(\sum_{i\in S}\operatorname{clip}(u_i, C) + \mathcal N(0, z^2C^2 I)\big)` and the
+server optimizer post-processes it. The canary is always in the cohort, so the claim is the round
+WITHOUT sampling amplification: a Gaussian mechanism with sensitivity :math:`C/m` and noise
+:math:`zC/m`, exactly :math:`\mu`-GDP with :math:`\mu = 1/z` (Dong, Roth, Su 2019, arXiv:1905.02383,
+Thm. 2.7), whose epsilon at ``delta`` the project's accountant reports (PLD by default).
 
-- a canary client sends a fixed random direction scaled to ``10 C`` (so it is clipped to ``C``);
-  every other client sends zero (the worst-case neighbours);
-- "in" trials include the canary, "out" trials replace it by a zero update;
-- the statistic is the released model change projected on the canary direction.
+**What is measured.** Each trial runs the REAL server round (``DPFedAvgServer._run_round``: its
+aggregation, noise and server optimizer, through the in-process Flower grid) from a fresh state
+on a cohort the audit chooses (the claim must hold for every cohort), in pairs: the same cohort
+with the canary ("in") and without it ("out", add/remove neighbours), with independent noise.
+The score is the released model change projected on the canary's direction :math:`v`. Two cohorts:
 
-A threshold is fitted on the first ``fit_fraction`` of the trials; the error counts on the rest
-give a Clopper-Pearson lower bound on epsilon (:mod:`fedprivacy.privacy.audit_stats`). The claim
-it is compared with is the epsilon of ONE round of the configured Gaussian mechanism without
-sampling amplification (the canary is always in the cohort), by default under PLD (the tightest
-valid bound here, so the audit is as sensitive as it can be).
-The audit fails (``passed = False``, the CLI exits 1) when the lower bound exceeds the claim.
+- ``alone``: the canary is the whole cohort (out: an empty cohort) -- Nasr et al. 2021's
+  worst-case neighbours; any excess signal-to-noise (noise off or halved, noise added after an
+  adaptive optimizer, which then passes the canary's sign at full strength) shows here;
+- ``crowd``: the canary among ``CROWD`` clients that each send :math:`-2Cv` (so they are clipped to
+  :math:`C` against the canary). A correct server's score moves by :math:`C/m` whatever the crowd.
+  Dividing by the realised cohort instead moves it by :math:`2C/(K+1)` (the crowd's mean is
+  :math:`-C` out, :math:`(1-K)C/(K+1)` in) against noise :math:`zC/(K+1)`: about twice the claimed
+  signal-to-noise. Clipping after summing moves it by :math:`2C` (the clipped sum flips from
+  :math:`-Cv` to :math:`+Cv`; the canary sends ``CANARY_SCALE`` :math:`C v`, more than the crowd's
+  raw sum) against noise :math:`zC`: twice the claim again. The crowd is a fixed set rather than
+  Poisson-sampled: the claim has no amplification, so a known cohort is fair, and a random crowd
+  size would mix score scales across trials and cut the fit's power (simulated at ``m = 4``:
+  detection of the realised divisor at 200 pairs fell from ~95% to ~40%).
 
-``BROKEN_VARIANTS`` are deliberately wrong servers (noise switched off; noise added after the
-server optimizer) that exist only to show that the audit can fail.
+**The test.** Per cohort, the paired differences :math:`d_t = s_t^{in} - s_t^{out}` are
+:math:`\mathcal N(\Delta, 2\sigma^2)` for a Gaussian mechanism followed by a linear optimizer (sgd with
+momentum from a fresh state; the crowd's contribution cancels within a pair), and the pair is
+:math:`|\Delta|/\sigma`-GDP. :func:`~fedprivacy.privacy.audit_stats.gaussian_fit` bounds that
+:math:`\mu` from below with an exact noncentral-t confidence bound and
+:func:`~fedprivacy.privacy.audit_stats.gdp_epsilon` converts it to epsilon (the Gaussian / f-DP
+fit of Nasr et al. 2023, arXiv:2302.07956). The assumption-free Clopper-Pearson threshold bound
+on the ``alone`` scores is reported beside it. The audit's lower bound is the largest of the
+three, each at level ``alpha / 3`` (Bonferroni), and the audit FAILS (the CLI exits 1) when it
+exceeds the claim: a correct server with a linear optimizer fails with probability at most
+``alpha``. Adaptive optimizers make the score a nonlinear (sign-like) function of the release;
+it is then only approximately Gaussian, with a smaller signal-to-noise than the release's.
+
+**Cost.** The score's law under a coordinate-wise optimizer does not depend on the model's size,
+so the audit caps the model at ``MAX_AUDIT_PARAMS`` parameters (fewer ``data.vocab_size`` rows).
+``trials`` pairs per cohort cost ``4 * trials`` server rounds.
+
+``BROKEN_VARIANTS`` are deliberately wrong servers that exist only to show the audit fails them.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import scipy.sparse as sp
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedprivacy.config import RunConfig
 from fedprivacy.engines.inprocess import SERVER_NODE_ID, InProcessGrid
+from fedprivacy.fl import server_app
 from fedprivacy.fl.records import update_to_record
 from fedprivacy.fl.server_app import DPFedAvgServer, discover_nodes
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
-from fedprivacy.privacy.audit_stats import best_threshold, epsilon_lower_bound
+from fedprivacy.privacy.audit_stats import best_threshold, epsilon_lower_bound, gaussian_fit, gdp_epsilon
+from fedprivacy.privacy.clipping import clip_scale
 
-CANARY_SCALE = 10.0  # the canary's norm in units of C: always clipped
+CROWD = 8  # clients beside the canary in the ``crowd`` cohort
+CROWD_SCALE = 2.0  # each crowd client sends -CROWD_SCALE * C * v: always clipped
+CANARY_SCALE = CROWD_SCALE * CROWD + 2.0  # the canary's norm in units of C: clipped, and outweighs the crowd's raw sum
+MAX_AUDIT_PARAMS = 20_000
+COHORTS = {"alone": (), "crowd": tuple(range(1, CROWD + 1))}  # partitions beside the canary (partition 0)
 
 
 @dataclass(frozen=True)
 class AuditReport:
     variant: str
-    trials_per_side: int
-    threshold: float
-    false_positives: int
-    false_negatives: int
-    evaluated_per_side: int
-    epsilon_lower_bound: float
+    trials: int  # pairs (in, out) per cohort
+    delta: float
+    alpha: float
+    noise_multiplier: float
+    mu_claimed: float
     epsilon_claimed: float
     accountant: str
-    delta: float
+    gaussian: dict[str, dict[str, float]]  # per cohort: the fit and its epsilon lower bound
+    threshold: dict[str, float]  # the Clopper-Pearson threshold test on the ``alone`` scores
+    epsilon_lower_bound: float
+    ratio_to_claim: float
     passed: bool
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def _audit_vocab(cfg: RunConfig) -> int:
+    return max(1, min(cfg.data.vocab_size, MAX_AUDIT_PARAMS // cfg.data.num_tags))
+
+
 class _AuditTask:
-    """The model shape of the run's task, no data (the audit's clients are synthetic)."""
+    """The run's model family at (at most) ``MAX_AUDIT_PARAMS`` parameters, no data (the clients are synthetic)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.population = cfg.privacy.expected_cohort
-        self._dims = (cfg.data.vocab_size, cfg.data.num_tags)
-        self.test_features = sp.csr_matrix((0, cfg.data.vocab_size), dtype=np.float32)
+        self.population = max(cfg.privacy.expected_cohort, CROWD + 1)
+        self._dims = (_audit_vocab(cfg), cfg.data.num_tags)
+        self.test_features = sp.csr_matrix((0, self._dims[0]), dtype=np.float32)
         self.test_labels = np.zeros(0, dtype=np.int64)
         self.majority_baseline = float("nan")
 
     def new_model(self, device: str = "cpu") -> SparseLogisticRegression:
         return SparseLogisticRegression(*self._dims).to(device)
+
+
+class _Cohort:
+    """The sampler of an audit trial: the cohort the audit chose."""
+
+    def __init__(self, cohort: tuple[int, ...]) -> None:
+        self.cohort = np.array(cohort, dtype=np.int64)
+
+    def sample(self) -> np.ndarray:
+        return self.cohort
 
 
 class _NoiseOff(DPFedAvgServer):
@@ -85,6 +137,51 @@ class _NoiseOff(DPFedAvgServer):
     def _privatize_and_step(self, agg: PrivateSum) -> None:
         agg.noise_multiplier = 0.0
         super()._privatize_and_step(agg)
+
+
+class _NoiseHalved(DPFedAvgServer):
+    """BROKEN on purpose: noise std zC/2 (e.g. a std/variance mix-up)."""
+
+    prefetch_noise = False
+
+    def _privatize_and_step(self, agg: PrivateSum) -> None:
+        agg.noise_multiplier /= 2
+        super()._privatize_and_step(agg)
+
+
+class _RealisedDivisor(DPFedAvgServer):
+    """BROKEN on purpose: divides by the number of updates received, not the expected cohort."""
+
+    prefetch_noise = False
+
+    def _privatize_and_step(self, agg: PrivateSum) -> None:
+        agg.expected_cohort = float(max(1, agg.stats.accepted))
+        super()._privatize_and_step(agg)
+
+
+class _SumThenClip(PrivateSum):
+    """Sums the updates unclipped and clips the SUM to C before the noise."""
+
+    def add_(self, update: SparseUpdate | None, *args, **kwargs) -> bool:
+        clip_norm, self.clip_norm = self.clip_norm, math.inf
+        try:
+            return super().add_(update, *args, **kwargs)
+        finally:
+            self.clip_norm = clip_norm
+
+    def release(self, noise) -> torch.Tensor:
+        self._sum.mul_(clip_scale(float(torch.linalg.vector_norm(self._sum)), self.clip_norm))
+        return super().release(noise)
+
+
+class _ClipAfterSum(DPFedAvgServer):
+    """BROKEN on purpose: clips the sum of the updates instead of each update."""
+
+    prefetch_noise = False
+
+    def _run_round(self, grid, nodes, event) -> None:
+        with mock.patch.object(server_app, "PrivateSum", _SumThenClip):  # the class _run_round builds
+            super()._run_round(grid, nodes, event)
 
 
 class _NoiseAfterOptimizer(DPFedAvgServer):
@@ -100,25 +197,25 @@ class _NoiseAfterOptimizer(DPFedAvgServer):
         self.noise.add_(self.params, std)
 
 
-BROKEN_VARIANTS: dict[str, type[DPFedAvgServer]] = {"noise_off": _NoiseOff, "noise_after_optimizer": _NoiseAfterOptimizer}
+BROKEN_VARIANTS: dict[str, type[DPFedAvgServer]] = {
+    "noise_off": _NoiseOff, "noise_halved": _NoiseHalved, "realised_divisor": _RealisedDivisor,
+    "clip_after_sum": _ClipAfterSum, "noise_after_optimizer": _NoiseAfterOptimizer,
+}
 
 
-def _canary_client_app(state: dict) -> ClientApp:
+def _audit_client_app(canary: torch.Tensor, crowd: torch.Tensor) -> ClientApp:
+    """Partition 0 sends ``canary``, every other partition ``crowd`` (dense updates)."""
     app = ClientApp()
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        from flwr.app import ConfigRecord
-
         return Message(RecordDict({"node": ConfigRecord({"partition-id": int(context.node_config["partition-id"])})}),
                        reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        canary = state["present"] and int(context.node_config["partition-id"]) == 0
-        update = SparseUpdate.dense(state["canary"].clone()) if canary else SparseUpdate(
-            torch.zeros(0, dtype=torch.int64), torch.zeros(0), state["canary"].numel())
-        content = RecordDict({"arrays": update_to_record(update),
+        update = canary if int(context.node_config["partition-id"]) == 0 else crowd
+        content = RecordDict({"arrays": update_to_record(SparseUpdate.dense(update.clone())),
                               "metrics": MetricRecord({"train_loss": 0.0, "num-examples": 0})})
         return Message(content, reply_to=msg)
 
@@ -126,12 +223,53 @@ def _canary_client_app(state: dict) -> ClientApp:
 
 
 def audit_config(cfg: RunConfig, output_dir: Path) -> RunConfig:
-    """The run's mechanism and server, with every client in every cohort and no outputs to speak of."""
+    """The run's mechanism and server on the audit's model size, with no outputs to speak of."""
     tree = cfg.model_dump(mode="json", exclude_unset=True)  # re-validating defaults would mark them as set
     tree.update(rounds=10**9, eval_every=10**9, checkpoint_every=10**9, output_dir=str(output_dir))
+    tree.setdefault("data", {})["vocab_size"] = _audit_vocab(cfg)
     tree.setdefault("privacy", {}).update(sampling="fixed", accountants=["rdp"], budget_accountant="rdp", target_epsilon=None,
                            noise_cohort=None, noise_population=None)
     return RunConfig.model_validate(tree)
+
+
+def _oriented(s_in: np.ndarray, s_out: np.ndarray, n_fit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scores with the sign that puts "in" above "out" on the fitting split (the threshold test decides ``> t``)."""
+    sign = 1.0 if s_in[:n_fit].mean() >= s_out[:n_fit].mean() else -1.0
+    return sign * s_in, sign * s_out
+
+
+def _trial_scores(server_cls: type[DPFedAvgServer], cfg: RunConfig, trials: int) -> dict[tuple[str, bool], np.ndarray]:
+    """``trials`` scores per (cohort, canary present): each one fresh server's round, projected on the canary."""
+    task = _AuditTask(cfg)
+    dim = sum(p.numel() for p in task.new_model().parameters())
+    direction = torch.randn(dim, generator=torch.Generator().manual_seed(cfg.seed))
+    direction /= direction.norm()
+    c = cfg.privacy.clip_norm
+    grid = InProcessGrid(_audit_client_app(CANARY_SCALE * c * direction, -CROWD_SCALE * c * direction),
+                         task.population)
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = grid.run.run_id, 1, SERVER_NODE_ID
+    nodes = discover_nodes(grid, task.population)
+    scores = {(name, present): np.empty(trials) for name in COHORTS for present in (True, False)}
+    server_log = logging.getLogger(server_app.__name__)
+    level = server_log.level
+    server_log.setLevel(logging.WARNING)  # a line per trial round would bury the report
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            seed = cfg.seed
+            for t in range(trials):
+                for (name, present), out in scores.items():
+                    seed += 1
+                    trial_cfg = audit_config(cfg.model_copy(update={"seed": seed}), Path(tmp) / str(seed))
+                    server = server_cls(trial_cfg, task)
+                    server.outputs.prepare(resume=False)
+                    event = server._round_event()
+                    server.sampler = _Cohort(((0,) if present else ()) + COHORTS[name])
+                    start = server.params.clone()
+                    server._run_round(grid, nodes, event)
+                    out[t] = float((server.params - start) @ direction)
+    finally:
+        server_log.setLevel(level)
+    return scores
 
 
 def run_audit(cfg: RunConfig, *, trials: int = 500, delta: float = 1e-5, alpha: float = 0.05,
@@ -143,39 +281,27 @@ def run_audit(cfg: RunConfig, *, trials: int = 500, delta: float = 1e-5, alpha: 
         raise ValueError("the audit needs a numeric privacy.noise_multiplier (it audits one round without data); "
                          "get it with `fedprivacy calibrate` or from a calibrated run's config.yaml")
     if trials < 10:
-        raise ValueError(f"audit trials must be at least 10 per side, got {trials}")
+        raise ValueError(f"audit trials must be at least 10 pairs, got {trials}")
     server_cls = DPFedAvgServer if variant == "correct" else BROKEN_VARIANTS[variant]
-    m = cfg.privacy.expected_cohort
-    task = _AuditTask(cfg)
-    dim = sum(p.numel() for p in task.new_model().parameters())
-    direction = torch.randn(dim, generator=torch.Generator().manual_seed(cfg.seed))
-    direction /= direction.norm()
-    state = {"present": False, "canary": direction * CANARY_SCALE * cfg.privacy.clip_norm}
-    grid = InProcessGrid(_canary_client_app(state), m)
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = grid.run.run_id, 1, SERVER_NODE_ID
-    nodes = discover_nodes(grid, m)
-    scores: dict[bool, list[float]] = {True: [], False: []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for t in range(trials):
-            for present in (True, False):
-                trial_cfg = audit_config(cfg.model_copy(update={"seed": cfg.seed + 2 * t + int(present)}),
-                                         Path(tmp) / f"t{t}{int(present)}")
-                server = server_cls(trial_cfg, task)
-                server.outputs.prepare(resume=False)
-                start = server.params.clone()
-                state["present"] = present
-                server._run_round(grid, nodes, server._round_event())
-                scores[present].append(float((server.params - start) @ direction))
-    s_in, s_out = np.array(scores[True]), np.array(scores[False])
+    scores = _trial_scores(server_cls, cfg, trials)
+    each = alpha / 3  # Bonferroni over the two Gaussian fits and the threshold test
+    gaussian = {}
+    for name in COHORTS:
+        fit = gaussian_fit(scores[name, True] - scores[name, False], each)
+        gaussian[name] = {"mean_shift": fit.mean, "score_std": fit.std / math.sqrt(2), "mu": fit.mu,
+                          "mu_lower_bound": fit.mu_lower_bound,
+                          "epsilon_lower_bound": gdp_epsilon(fit.mu_lower_bound, delta)}
     n_fit = max(1, int(fit_fraction * trials))
-    threshold = best_threshold(s_in[:n_fit], s_out[:n_fit])
-    fn = int((s_in[n_fit:] <= threshold).sum())
-    fp = int((s_out[n_fit:] > threshold).sum())
-    n_eval = trials - n_fit
-    lower = epsilon_lower_bound(fp, n_eval, fn, n_eval, delta, alpha)
-    kind = accountant
-    one_round = PrivacyLedger().compose(GaussianRound(cfg.privacy.noise_multiplier, "none", m, float(m)))
-    claimed = float(epsilon(one_round, delta, kind))
-    return AuditReport(variant=variant, trials_per_side=trials, threshold=threshold, false_positives=fp,
-                       false_negatives=fn, evaluated_per_side=n_eval, epsilon_lower_bound=lower,
-                       epsilon_claimed=claimed, accountant=kind, delta=delta, passed=lower <= claimed)
+    s_in, s_out = _oriented(scores["alone", True], scores["alone", False], n_fit)
+    cut = best_threshold(s_in[:n_fit], s_out[:n_fit])
+    fn, fp, n_eval = int((s_in[n_fit:] <= cut).sum()), int((s_out[n_fit:] > cut).sum()), trials - n_fit
+    threshold = {"threshold": cut, "false_positives": fp, "false_negatives": fn, "evaluated_per_side": n_eval,
+                 "epsilon_lower_bound": epsilon_lower_bound(fp, n_eval, fn, n_eval, delta, each)}
+    lower = max(threshold["epsilon_lower_bound"], *(g["epsilon_lower_bound"] for g in gaussian.values()))
+    z, m = cfg.privacy.noise_multiplier, cfg.privacy.expected_cohort
+    one_round = PrivacyLedger().compose(GaussianRound(z, "none", m, float(m)))
+    claimed = float(epsilon(one_round, delta, accountant))
+    return AuditReport(variant=variant, trials=trials, delta=delta, alpha=alpha, noise_multiplier=z,
+                       mu_claimed=1 / z if z > 0 else math.inf, epsilon_claimed=claimed, accountant=accountant,
+                       gaussian=gaussian, threshold=threshold, epsilon_lower_bound=lower,
+                       ratio_to_claim=0.0 if math.isinf(claimed) else lower / claimed, passed=lower <= claimed)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from fedprivacy.config import ConfigError, RunConfig, build_config, load_config
 
-BROKEN_VARIANT_NAMES = ("noise_off", "noise_after_optimizer")  # fedprivacy.audit.BROKEN_VARIANTS, kept import-free
+# fedprivacy.audit.BROKEN_VARIANTS, kept import-free
+BROKEN_VARIANT_NAMES = ("noise_off", "noise_halved", "realised_divisor", "clip_after_sum", "noise_after_optimizer")
 
 EXIT_USAGE = 2
 EXIT_AUDIT_FAILED = 1
@@ -156,7 +157,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     print(json.dumps(report.as_dict(), indent=2))
     if not report.passed:
         print(f"fedprivacy: audit FAILED: empirical epsilon >= {report.epsilon_lower_bound:.3f} exceeds the claimed "
-              f"{report.epsilon_claimed:.3f} ({report.accountant}, one round, delta={report.delta:g})", file=sys.stderr)
+              f"{report.epsilon_claimed:.3f} ({report.ratio_to_claim:.2f}x; {report.accountant}, one round, "
+              f"delta={report.delta:g})", file=sys.stderr)
         return EXIT_AUDIT_FAILED
     return 0
 
@@ -244,11 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--stream", action="store_true", help="echo Flower's streamed run log (default: one line per round)")
     d.set_defaults(func=_cmd_deploy_local)
 
-    p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client; "
-                                     "exits 1 when it exceeds the claimed epsilon")
+    p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client "
+                                     "(Gaussian fit and threshold test); exits 1 when it exceeds the claimed epsilon")
     p.add_argument("config", nargs="?", help="YAML config whose mechanism and server optimizer are audited")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    p.add_argument("--trials", type=int, default=500, help="trials per side (canary in / out)")
+    p.add_argument("--trials", type=int, default=500,
+                   help="trial pairs (canary in / out) per audit cohort; each pair is two server rounds")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--alpha", type=float, default=0.05, help="the bound holds with probability 1 - alpha")
     p.add_argument("--accountant", choices=["rdp", "prv", "pld"], default="pld", help="accountant of the claim")
