@@ -81,14 +81,14 @@ def _atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path) -> dict:
-    """A run's checkpoint.
+def load_checkpoint(path: Path, **options: Any) -> dict:
+    """A run's checkpoint (``options``: more arguments of ``torch.load``, e.g. ``mmap=True``).
 
     Raises:
         ResumeError: the file is not a readable checkpoint (corrupt or truncated), naming it.
     """
     try:
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False, **options)
     except OSError:
         raise
     except Exception as err:  # noqa: BLE001 - torch and pickle raise many kinds on a damaged file

@@ -43,7 +43,7 @@ from fedprivacy.engines.processes import usable_cores
 from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
 from fedprivacy.locks import FolderBusyError, locked
-from fedprivacy.outputs import CHECKPOINT, run_lock
+from fedprivacy.outputs import CHECKPOINT, load_checkpoint, run_lock
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def run_state(folder: Path) -> str:
     returned = not record["attempts"] or record["attempts"][-1].get("wall_seconds") is not None
     if read_summary(folder) is not None and returned:
         return "finished"
-    return "partial" if (folder / "checkpoint.pt").exists() else "new"
+    return "partial" if (folder / CHECKPOINT).exists() else "new"
 
 
 def rounds_logged(folder: Path) -> int:
@@ -113,11 +113,9 @@ def rounds_logged(folder: Path) -> int:
 
 def checkpoint_round(folder: Path) -> int:
     """The round the run's ``checkpoint.pt`` holds (0 without one): where a resume continues from."""
-    if not (folder / "checkpoint.pt").exists():
+    if not (folder / CHECKPOINT).exists():
         return 0
-    import torch
-
-    return int(torch.load(folder / "checkpoint.pt", weights_only=False, mmap=True, map_location="cpu")["round"])
+    return int(load_checkpoint(folder / CHECKPOINT, mmap=True, map_location="cpu")["round"])
 
 
 # -- manifest ---------------------------------------------------------------------------------
@@ -201,10 +199,10 @@ def execute(run_id: str, config_json: str) -> dict[str, Any]:
         _log_to(folder / "run.log")
         (folder / ERROR_FILE).unlink(missing_ok=True)
         record = _read_record(folder)
-        record["attempts"].append({"start_round": checkpoint_round(folder), "wall_seconds": None})
-        _write_record(folder, record)
         t0 = time.perf_counter()
         try:
+            record["attempts"].append({"start_round": checkpoint_round(folder), "wall_seconds": None})
+            _write_record(folder, record)
             summary = run(cfg, resume=(folder / CHECKPOINT).exists())
         except BaseException as err:  # noqa: BLE001 - reported to the parent, which carries on
             (folder / ERROR_FILE).write_text(traceback.format_exc())

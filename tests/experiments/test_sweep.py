@@ -17,6 +17,7 @@ from fedprivacy.experiments.results import load_results, without_wall_time
 from fedprivacy.experiments.study import expand
 from fedprivacy.experiments.sweep import (StudyChangedError, SweepBusyError, SweepResult, _run_parallel, rounds_logged,
                                          run_state, run_sweep)
+from fedprivacy.experiments import sweep
 from fedprivacy.locks import locked
 
 pytestmark = pytest.mark.slow
@@ -129,3 +130,14 @@ def test_a_killed_worker_fails_only_its_own_run(tiny_study):
     _run_parallel(study, specs, specs, 2, result, False, target=_run_or_die)
     assert list(result.failed) == [DOOMED] and "worker process died" in result.failed[DOOMED]
     assert sorted(result.done) == sorted(s.run_id for s in specs if s.run_id != DOOMED)
+
+
+def test_a_run_with_a_corrupt_checkpoint_fails_alone_naming_the_file(tiny_study, monkeypatch):
+    study = load_study(tiny_study())
+    spec = expand(study)[0]
+    folder = Path(spec.config.output_dir)
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    monkeypatch.setattr(sweep, "_log_to", lambda path: None)  # keep this process's logging as it is
+    outcome = sweep.execute(spec.run_id, spec.config.to_json())
+    assert outcome["status"] == "failed" and f"{folder / 'checkpoint.pt'} is not a readable checkpoint" in outcome["error"]
