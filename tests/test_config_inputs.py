@@ -1,12 +1,14 @@
 """Crafted config values (non-finite, huge, negative, wrong types) are refused naming the field."""
 
 import math
+from typing import get_args
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
-from fedprivacy.config import MAX_NOISE_STD, ConfigError, build_config
+from fedprivacy.config import MAX_NOISE_STD, ConfigError, RunConfig, build_config
 
 NON_FINITE = st.sampled_from([math.inf, -math.inf, math.nan, ".inf", "-.inf", ".nan"])
 HUGE = st.floats(min_value=MAX_NOISE_STD * 1.0001, max_value=1.7976931348623157e308)
@@ -17,12 +19,12 @@ FIELDS = ["privacy.clip_norm", "privacy.noise_multiplier", "client.sample_dp.cli
 
 def _tree(field: str, value) -> dict:
     """A config tree setting the dotted ``field`` to ``value`` (``value`` as YAML would give it)."""
-    section, *rest = field.split(".")
-    tree = {section: {}}
-    node = tree[section]
-    for part in rest[:-1]:
+    *sections, name = field.split(".")
+    tree: dict = {}
+    node = tree
+    for part in sections:
         node = node.setdefault(part, {})
-    node[rest[-1]] = value
+    node[name] = value
     return tree
 
 
@@ -68,3 +70,20 @@ def test_a_bad_value_of_a_union_field_is_one_line_naming_the_field():
         build_config({}, ["privacy.noise_multiplier=.inf"])
     assert str(err.value).splitlines()[1:] == ["  privacy.noise_multiplier: Input should be a finite number or 'auto' "
                                                "(got inf)"]
+
+
+def _float_fields(model, prefix: str = "") -> list[str]:
+    """Dotted names of the float fields of ``model`` and of its always-present sections."""
+    names = []
+    for name, info in model.model_fields.items():
+        if isinstance(info.default, BaseModel):
+            names += _float_fields(type(info.default), f"{prefix}{name}.")
+        elif float in get_args(info.annotation) or info.annotation is float:
+            names.append(prefix + name)
+    return names
+
+
+@settings(max_examples=80, deadline=None)
+@given(field=st.sampled_from(_float_fields(RunConfig)), value=NON_FINITE)
+def test_no_config_float_takes_inf_or_nan(field, value):
+    assert field in _refused(field, value)
