@@ -181,6 +181,22 @@ def _cmd_data_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_download(args: argparse.Namespace) -> int:
+    """Exit 1 (one line naming the URL or file) when a download fails; a rerun resumes it."""
+    from fedprivacy.data.download import DownloadError, download
+
+    try:
+        files = download(Path(args.out), args.format, base_url=args.base_url)
+    except DownloadError as err:
+        print(f"fedprivacy: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fedprivacy: interrupted; rerun the same command to resume the download", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(json.dumps({name: str(path) for name, path in files.items()}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedprivacy", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -274,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--source", choices=["tff-sqlite", "tff-h5"], required=True)
     g.add_argument("--path", required=True, help="folder of the files (or, for tff-sqlite, the .sqlite file)")
     g.set_defaults(func=_cmd_data_stats)
+    g = data_sub.add_parser("download", help="fetch TFF's StackOverflow files (resumable, SHA-256 checked) into "
+                                             "a folder for --set data.path=DIR")
+    g.add_argument("--out", required=True, help="output folder (data.path)")
+    g.add_argument("--format", choices=["tff-sqlite", "tff-h5"], default="tff-sqlite",
+                   help="stackoverflow.sqlite, or TFF's legacy stackoverflow_{train,held_out,test}.h5 (data.source)")
+    g.add_argument("--base-url", help="where the archives are: a mirror with the same file names (default: "
+                                      "TFF's https://storage.googleapis.com/tff-datasets-public/)")
+    g.set_defaults(func=_cmd_data_download)
     return parser
 
 
