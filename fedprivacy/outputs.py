@@ -40,6 +40,18 @@ FIXED_ON_RESUME = ("seed", "privacy.", "data.task", "data.vocab_size", "data.num
 claim and its randomness, and what determines the model's shape (task, vocabulary, tags)."""
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float made valid JSON: NaN (no value: a metric not measured
+    this round) as ``null``, +-inf (e.g. the epsilon of a run without noise) as ``"inf"``/``"-inf"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 class RunExistsError(RuntimeError):
     """The output folder already holds a run and resuming was not asked for."""
 
@@ -183,8 +195,8 @@ class RunOutputs:
         _atomic_save({**state, "metrics": self.rows, "config": self.cfg.to_json()}, self.checkpoint_path)
 
     def write_json(self, name: str, data: Any) -> None:
-        """``name`` in the run folder, as indented JSON."""
-        self._write_text(name, json.dumps(data, indent=2, default=str))
+        """``name`` in the run folder, as indented STRICT JSON (:func:`strict_json`)."""
+        self._write_text(name, json.dumps(strict_json(data), indent=2, default=str, allow_nan=False))
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.write_json("summary.json", summary)

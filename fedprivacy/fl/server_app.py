@@ -48,7 +48,7 @@ from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpd
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.release_log import ReleaseLog, draw_id, rekeyed_seed
 from fedprivacy.privacy.sampling import make_sampler
-from fedprivacy.task import TagPredictionTask, load_task
+from fedprivacy.task import TagPredictionTask, data_provenance, load_task
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,7 @@ class DPFedAvgServer:
                    "majority_baseline_accuracy": self.task.majority_baseline,
                    "privacy_claim": self.privacy_claim(),
                    "releases": self.ledger.rounds, "rounds_with_no_accepted_update": self.empty_rounds,
+                   "data": data_provenance(self.cfg.data),
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
         if self.side_info:
             summary["side_information"] = self.side_info.builds[-1]

@@ -377,3 +377,16 @@ def test_the_claim_says_whether_the_draws_are_reproducible_and_secure_noise_hide
         assert "cryptographic source" in summary["privacy_claim"] and "reproducible" not in summary["privacy_claim"]
         cohorts.append(torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["sampler"])
     assert cohorts[0] != cohorts[1]  # the cohort sampler's state is not a function of the seed
+
+
+def test_summary_is_strict_json_and_records_the_data_it_used(small_config):
+    cfg = small_config("rounds=1", "privacy.noise_multiplier=0")
+    run(cfg)
+
+    def refuse(name):
+        raise AssertionError(f"summary.json holds the non-JSON constant {name}")
+    summary = json.loads((cfg.output_dir / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["epsilon_rdp"] == "inf"  # no noise: no privacy, said in valid JSON
+    data = summary["data"]
+    assert data["synthetic"] is True and data["path"] == str(cfg.data.path.resolve())
+    assert {"stackoverflow.sqlite"} <= set(data["files"]) and all(f["size"] > 0 for f in data["files"].values())
