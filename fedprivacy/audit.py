@@ -25,7 +25,7 @@ The score is the released model change projected on the canary's direction :math
   raw sum) against noise :math:`zC`: twice the claim again. The crowd is a fixed set rather than
   Poisson-sampled: the claim has no amplification, so a known cohort is fair, and a random crowd
   size would mix score scales across trials and cut the fit's power (simulated at ``m = 4``:
-  detection of the realised divisor at 200 pairs fell from ~95% to ~40%).
+  detection of the realised divisor at 200 pairs fell from ~95% to 20-40%).
 
 **The test.** Per cohort, the paired differences :math:`d_t = s_t^{in} - s_t^{out}` are
 :math:`\mathcal N(\Delta, 2\sigma^2)` for a Gaussian mechanism followed by a linear optimizer (sgd with
@@ -69,6 +69,7 @@ from fedprivacy.fl import server_app
 from fedprivacy.fl.records import update_to_record
 from fedprivacy.fl.server_app import DPFedAvgServer, discover_nodes
 from fedprivacy.models.logistic import SparseLogisticRegression
+from fedprivacy.outputs import strict_json
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
 from fedprivacy.privacy.audit_stats import best_threshold, epsilon_lower_bound, gaussian_fit, gdp_epsilon
@@ -98,7 +99,8 @@ class AuditReport:
     passed: bool
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Strict JSON values: an unbounded epsilon (a noiseless server) as ``"inf"``."""
+        return strict_json(asdict(self))
 
 
 def _audit_vocab(cfg: RunConfig) -> int:

@@ -115,6 +115,9 @@ def test_audit_fails_every_broken_server(variant, overrides, trials):
     report = run_audit(_cfg(*overrides), trials=trials, variant=variant)
     assert not report.passed and report.epsilon_lower_bound > report.epsilon_claimed
     assert report.ratio_to_claim > 1
+    if variant == "noise_off":  # unbounded, written as strict JSON
+        assert report.epsilon_lower_bound == math.inf and report.as_dict()["ratio_to_claim"] == "inf"
+        json.loads(json.dumps(report.as_dict()), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
 
 
 def test_audit_command_exit_status(tmp_path, capsys):
