@@ -44,7 +44,7 @@ import torch
 
 from fedprivacy.optim.microadam import dequantize_4bit, quantize_4bit
 from fedprivacy.privacy.aggregation import SparseUpdate
-from fedprivacy.privacy.clipping import clip_scale, exact_l2_norm
+from fedprivacy.privacy.clipping import clip_scale, float32_exact_scale, l2_norm_bound
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ def compress(update: SparseUpdate, residual: Residual | None, *, density: float,
     indices, owed = _owed(update, residual)
     keep = _top_k(indices, owed, density, tensor_sizes, update.dim)
     chosen = owed[keep]
-    sent = chosen * clip_scale(exact_l2_norm(chosen), clip_norm)
+    sent, scale = float32_exact_scale(chosen, clip_scale(l2_norm_bound(chosen), clip_norm))
+    sent = sent * scale
     left = owed.clone()
     left[keep] = 0.0
     nonzero = left != 0

@@ -13,13 +13,14 @@ or dense. Clipping the listed values IS clipping the whole vector, because the i
 strictly increasing and in range: a repeated index would let a client add more than its clipped
 norm, so such an update is rejected.
 
-Exact sensitivity: the norm is computed in float64 (the squares of float32 values are exact there,
-and a 5M-term float64 sum errs by < 1e-9 relative), so no reply can hide mass from it the way it can
-from a float32 sum (tiny entries whose squares vanish beside a few large ones: 1.018 C measured).
-The clip targets ``C (1 - 2^-20)``: that margin absorbs the float32 rounding of the scale and of
-each scaled value and the float64 sum's error, so the contribution actually added has L2 norm
-``<= C`` computed exactly. Values must be float32 and indices int64 (what :mod:`fedprivacy.fl.records`
-decodes after checking the payload's real dtype, byte order and shape against the contract).
+Exact sensitivity: the clip uses a rigorous upper bound on each update's exact L2 norm
+(:func:`~fedprivacy.privacy.clipping.l2_norm_bound`: chunked float32 norms summed in float64 and
+inflated by their worst-case rounding), so no reply can hide mass from it the way it can from a
+float32 sum (tiny entries whose squares vanish beside a few large ones: 1.018 C measured). The clip
+targets ``C (1 - 2^-20)``, which absorbs the float32 rounding of the scale and of each scaled value:
+the contribution actually added has L2 norm ``<= C`` computed exactly. Values must be float32 and
+indices int64 (what :mod:`fedprivacy.fl.records` decodes after checking the payload's real dtype,
+byte order and shape against the contract).
 
 Rejections (invariants 11 and 12): a reply that is missing, failed, malformed, of the wrong dtype,
 holds NaN/Inf, or (sample-level DP clients) carries no valid accounting event contributes zero,
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedprivacy.privacy.clipping import clip_scale, exact_l2_norm
+from fedprivacy.privacy.clipping import clip_scale, float32_exact_scale, l2_norm_bound
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, server_noise_std
 
@@ -169,7 +170,7 @@ class PrivateSum:
         if update.values.dtype != self._sum.dtype:
             self.reject("dtype", source, f"values are {update.values.dtype}, expected {self._sum.dtype}")
             return False
-        norm = exact_l2_norm(update.values)
+        norm = l2_norm_bound(update.values)
         if not math.isfinite(norm):  # a float64 norm of finite float32 values is finite: NaN/Inf present
             self.reject("nonfinite", source, "NaN or Inf values")
             return False
@@ -180,7 +181,7 @@ class PrivateSum:
         self.stats.norms.append(norm)
         self.stats.clipped += norm > self.clip_norm
         self.stats.accepted += 1
-        values = update.values.to(self._sum.device)
+        values, scale = float32_exact_scale(update.values.to(self._sum.device), scale)
         if update.indices is None:
             self._sum.add_(values, alpha=scale)
         elif update.block == 1:

@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 
 from fedprivacy.fl.records import record_to_update, update_to_record
 from fedprivacy.privacy.aggregation import REJECTION_REASONS, PrivateSum, RejectedUpdate, SparseUpdate
-from fedprivacy.privacy.clipping import exact_l2_norm, flat_l2_clip_
+from fedprivacy.privacy.clipping import flat_l2_clip_, l2_norm_bound
 
 
 def exact_norm(t: torch.Tensor) -> float:
@@ -95,13 +95,27 @@ def test_metadata_shape_that_lies_is_rejected():
 
 def test_the_exact_clip_never_exceeds_c_and_leaves_short_vectors_alone():
     u = torch.tensor([3.0, 4.0])
-    assert flat_l2_clip_(u, 10.0) == 5.0 and torch.equal(u, torch.tensor([3.0, 4.0]))
+    assert flat_l2_clip_(u, 10.0) == pytest.approx(5.0, rel=1e-14) and torch.equal(u, torch.tensor([3.0, 4.0]))
     flat_l2_clip_(u, 1.0)
     assert exact_norm(u) <= 1.0 and exact_norm(u) == pytest.approx(1.0, rel=1e-5)
-    assert exact_l2_norm(torch.tensor([float("nan"), 1.0])) != exact_l2_norm(torch.tensor([float("nan"), 1.0]))
+    assert math.isnan(l2_norm_bound(torch.tensor([float("nan"), 1.0]))) and l2_norm_bound(torch.full((600,), float("inf"))) == math.inf
 
 
 # -- property tests: any values, any index set, any payload --------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(values=hnp.arrays(np.float32, st.integers(0, 3000), elements=st.floats(width=32, allow_nan=False,
+                                                                                 allow_infinity=False)),
+       fill=st.sampled_from([None, 0.0, 2e-4, 1e-20, 1e-40, 3e38]), big=st.integers(0, 8))
+def test_the_norm_bound_is_never_below_the_exact_norm_and_tight(values, fill, big):
+    if fill is not None:  # the fooling shape: a few large entries among many equal small ones
+        values = np.concatenate([np.ones(big, np.float32), np.full(4000, fill, np.float32), values])
+    exact = exact_norm(torch.from_numpy(values)) if values.size else 0.0
+    bound = l2_norm_bound(torch.from_numpy(values))
+    assert bound >= exact
+    assert bound <= exact * (1 + 2e-5) + 4e-23 * math.sqrt(values.size)  # the underflow allowance
+
+
+
 _FLOATS = st.one_of(
     st.floats(width=32, allow_nan=False, allow_infinity=False),
     st.floats(width=32, min_value=float(np.float32(-1e-38)), max_value=float(np.float32(1e-38))),  # subnormals, tiny
