@@ -38,7 +38,6 @@ def describe_os_error(err: OSError) -> str:
     return f"{err.filename}: {err.strerror or err}" + (f" ({hint})" if hint else "")
 
 
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedprivacy.outputs import CHECKPOINT
     from fedprivacy.run import run
@@ -136,7 +135,8 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
     try:
-        summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, resume=args.resume,
+        summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, reproducible=args.reproducible,
+                               resume=args.resume,
                                timeout=args.timeout, on_supernode_exit=args.on_supernode_exit, echo=args.stream)
     except DeploymentError as err:
         print(f"fedprivacy: deployment failed: {err}", file=sys.stderr)
@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(the first N users of the data set)")
     d.add_argument("--insecure", action="store_true",
                    help="plain HTTP and no SuperNode authentication (default: generated TLS certificates + auth)")
+    d.add_argument("--reproducible", action="store_true",
+                   help="seed the server's noise and cohort from the config's seed (default: the OS's "
+                        "cryptographic source; the SuperNodes' noise is always secret)")
     d.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
     d.add_argument("--timeout", type=float, help="abort (and shut everything down) after this many seconds")
     d.add_argument("--on-supernode-exit", choices=["continue", "restart", "abort"], default="continue",
