@@ -54,7 +54,6 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import scipy.sparse as sp
@@ -74,6 +73,7 @@ from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
 from fedprivacy.privacy.audit_stats import best_threshold, epsilon_lower_bound, gaussian_fit, gdp_epsilon
 from fedprivacy.privacy.clipping import clip_scale
+from fedprivacy.privacy.mechanism import GaussianMechanism
 
 CROWD = 8  # clients beside the canary in the ``crowd`` cohort
 CROWD_SCALE = 2.0  # each crowd client sends -CROWD_SCALE * C * v: always clipped
@@ -122,43 +122,38 @@ class _AuditTask:
 
 
 class _Cohort:
-    """The sampler of an audit trial: the cohort the audit chose."""
+    """The sampler of an audit trial: the cohort the audit chose, accounted as the run's sampler's."""
 
-    def __init__(self, cohort: tuple[int, ...]) -> None:
+    def __init__(self, cohort: tuple[int, ...], sampler) -> None:
         self.cohort = np.array(cohort, dtype=np.int64)
+        self.round_event = sampler.round_event
 
     def sample(self) -> np.ndarray:
         return self.cohort
 
 
-class _NoiseOff(DPFedAvgServer):
+class _NoNoise(GaussianMechanism):
     """BROKEN on purpose: the mechanism adds no noise."""
 
-    prefetch_noise = False
-
-    def _privatize_and_step(self, agg: PrivateSum) -> None:
+    def privatize(self, agg: PrivateSum) -> torch.Tensor:
         agg.noise_multiplier = 0.0
-        super()._privatize_and_step(agg)
+        return super().privatize(agg)
 
 
-class _NoiseHalved(DPFedAvgServer):
+class _HalfNoise(GaussianMechanism):
     """BROKEN on purpose: noise std zC/2 (e.g. a std/variance mix-up)."""
 
-    prefetch_noise = False
-
-    def _privatize_and_step(self, agg: PrivateSum) -> None:
+    def privatize(self, agg: PrivateSum) -> torch.Tensor:
         agg.noise_multiplier /= 2
-        super()._privatize_and_step(agg)
+        return super().privatize(agg)
 
 
-class _RealisedDivisor(DPFedAvgServer):
+class _RealisedDivisorMechanism(GaussianMechanism):
     """BROKEN on purpose: divides by the number of updates received, not the expected cohort."""
 
-    prefetch_noise = False
-
-    def _privatize_and_step(self, agg: PrivateSum) -> None:
+    def privatize(self, agg: PrivateSum) -> torch.Tensor:
         agg.expected_cohort = float(max(1, agg.stats.accepted))
-        super()._privatize_and_step(agg)
+        return super().privatize(agg)
 
 
 class _SumThenClip(PrivateSum):
@@ -176,32 +171,37 @@ class _SumThenClip(PrivateSum):
         return super().release(noise)
 
 
-class _ClipAfterSum(DPFedAvgServer):
+class _ClipAfterSumMechanism(GaussianMechanism):
     """BROKEN on purpose: clips the sum of the updates instead of each update."""
 
-    prefetch_noise = False
+    def aggregator(self, dim: int) -> PrivateSum:
+        return _SumThenClip(dim, clip_norm=self.clip_norm, noise_multiplier=self.value_noise_multiplier,
+                            expected_cohort=float(self.expected_cohort), device=self.device, placement=self.placement)
 
-    def _run_round(self, grid, nodes, event) -> None:
-        with mock.patch.object(server_app, "PrivateSum", _SumThenClip):  # the class _run_round builds
-            super()._run_round(grid, nodes, event)
+
+def _broken(mechanism: type[GaussianMechanism]) -> type[DPFedAvgServer]:
+    """The real server with a broken mechanism (no prefetched draw: the variants change it mid-round)."""
+    return type(f"Broken{mechanism.__name__}", (DPFedAvgServer,),
+                {"mechanism_cls": mechanism, "prefetch_noise": False, "__doc__": mechanism.__doc__})
 
 
 class _NoiseAfterOptimizer(DPFedAvgServer):
     """BROKEN on purpose: the optimizer sees the clean average; noise N(0, (zC/m)^2) is added to
     the model afterwards (what Flower's DP wrappers do around an adaptive strategy)."""
 
+    mechanism_cls = _NoNoise
     prefetch_noise = False
 
-    def _privatize_and_step(self, agg: PrivateSum) -> None:
-        std = agg.noise_multiplier * agg.clip_norm / agg.expected_cohort
-        agg.noise_multiplier = 0.0
-        super()._privatize_and_step(agg)
-        self.noise.add_(self.params, std)
+    def post_process(self, g: torch.Tensor, phi: float) -> None:
+        super().post_process(g, phi)
+        m = self.mechanism
+        m.noise.add_(self.params, m.value_noise_multiplier * m.clip_norm / m.expected_cohort)
 
 
 BROKEN_VARIANTS: dict[str, type[DPFedAvgServer]] = {
-    "noise_off": _NoiseOff, "noise_halved": _NoiseHalved, "realised_divisor": _RealisedDivisor,
-    "clip_after_sum": _ClipAfterSum, "noise_after_optimizer": _NoiseAfterOptimizer,
+    "noise_off": _broken(_NoNoise), "noise_halved": _broken(_HalfNoise),
+    "realised_divisor": _broken(_RealisedDivisorMechanism), "clip_after_sum": _broken(_ClipAfterSumMechanism),
+    "noise_after_optimizer": _NoiseAfterOptimizer,
 }
 
 
@@ -264,10 +264,10 @@ def _trial_scores(server_cls: type[DPFedAvgServer], cfg: RunConfig, trials: int)
                     trial_cfg = audit_config(cfg.model_copy(update={"seed": seed}), Path(tmp) / str(seed))
                     server = server_cls(trial_cfg, task)
                     server.outputs.prepare(resume=False)
-                    event = server._round_event()
-                    server.sampler = _Cohort(((0,) if present else ()) + COHORTS[name])
+                    mechanism = server.mechanism
+                    mechanism.sampler = _Cohort(((0,) if present else ()) + COHORTS[name], mechanism.sampler)
                     start = server.params.clone()
-                    server._run_round(grid, nodes, event)
+                    server._run_round(grid, nodes)
                     out[t] = float((server.params - start) @ direction)
     finally:
         server_log.setLevel(level)

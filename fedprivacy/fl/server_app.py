@@ -30,7 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.client.sample_dp import event_from_metrics
-from fedprivacy.config import MicroAdamConfig, PrivacyConfig, RunConfig
+from fedprivacy.config import MicroAdamConfig, RunConfig
 from fedprivacy.fl.records import record_nbytes, record_to_update, vector_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import VERSION as SIDE_INFO_VERSION
@@ -39,15 +39,12 @@ from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
-from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.client_ledgers import ClientLedgers
-from fedprivacy.privacy.placement import local_upload_event, released_noise_variance
-from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
-from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
-from fedprivacy.privacy.noise import GaussianNoise
-from fedprivacy.privacy.release_log import ReleaseLog, draw_id, rekeyed_seed
-from fedprivacy.privacy.sampling import make_sampler
+from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+from fedprivacy.privacy.placement import local_upload_event
+from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.task import TagPredictionTask, data_provenance, load_task
 
 log = logging.getLogger(__name__)
@@ -78,22 +75,29 @@ def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_
     return [by_partition[p] for p in range(population)]
 
 
-def value_noise(p: PrivacyConfig) -> float:
-    """Noise multiplier of the value release on the SIMULATED sum: z (z m / M when emulating cohort M),
-    inflated under adaptive clipping so value and count compose to z (Andrew et al. Thm. 1)."""
-    z = p.simulated_noise_multiplier
-    return value_noise_multiplier(z, p.count_stddev) if p.adaptive_clipping else z
+def build_mechanism(cfg: RunConfig, population: int,
+                    cls: type[GaussianMechanism] = GaussianMechanism) -> GaussianMechanism:
+    """The run's user-level mechanism (a ``cls``) from ``cfg.privacy`` over ``population`` users."""
+    p = cfg.privacy
+    adaptive = (AdaptiveClipping(p.adaptive_clipping.target_quantile, p.adaptive_clipping.learning_rate,
+                                 p.count_stddev) if p.adaptive_clipping else None)
+    return cls(noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm,
+                             expected_cohort=p.expected_cohort, population=population, sampling=p.sampling,
+                             placement=p.placement, adaptive=adaptive, noise_cohort=p.noise_cohort,
+                             noise_population=p.noise_population, seed=cfg.seed, secure=p.secure_noise,
+                             device=cfg.device)
 
 
-def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module) -> ServerOptimizer:
+def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module,
+                           mechanism: GaussianMechanism) -> ServerOptimizer:
     """The configured server optimizer; DP-FedAdamBC's Phi is derived from the mechanism's noise."""
-    s, p = cfg.server, cfg.privacy
+    s = cfg.server
     settings = {k: getattr(s, k) for k in s.explicit_settings()}
     if s.optimizer == "adambc":
         # Phi: the per-coordinate noise variance in g_t, (z C / M)^2 with M the (emulated) cohort
-        # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m). With
-        # adaptive clipping it changes every round: the server sets each round's (set_phi).
-        settings["phi"] = released_noise_variance(p.placement, value_noise(p), p.clip_norm, p.expected_cohort)
+        # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m). It changes
+        # with C_t (adaptive clipping) and under DiSK: the server sets each round's (set_phi).
+        settings["phi"] = mechanism.phi()
         settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
     if s.optimizer == "microadam":
         m = s.microadam or MicroAdamConfig()
@@ -131,6 +135,8 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
 class DPFedAvgServer:
     """Holds the server's state and runs the rounds against a Flower ``Grid``."""
 
+    mechanism_cls: type[GaussianMechanism] = GaussianMechanism
+    """The mechanism class (the audit's broken servers substitute a broken one)."""
     prefetch_noise = True
     """Start each round's noise draw (:meth:`PrivateSum.prefetch_noise`) as soon as the previous
     round's draws are made, so it runs on a second core during that round's tail and this round's
@@ -147,46 +153,15 @@ class DPFedAvgServer:
         self.delta = p.delta if p.delta is not None else 1.0 / self.claim_population
         self.model = task.new_model(cfg.device)
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
-        self.epoch = 0  # > 0 after a resume that re-runs released rounds (fedprivacy.privacy.release_log)
-        self._seed_generators()
-        self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model)
-        self.adaptive_clip = (AdaptiveClip(p.clip_norm, target_quantile=p.adaptive_clipping.target_quantile,
-                                           learning_rate=p.adaptive_clipping.learning_rate,
-                                           count_stddev=p.count_stddev, expected_cohort=p.expected_cohort)
-                              if p.adaptive_clipping else None)
+        self.mechanism = build_mechanism(cfg, self.population, self.mechanism_cls)
+        self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model, self.mechanism)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
-        self.ledger = PrivacyLedger()
         self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise, sample-level DP), per client
         self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
         self.round = 0
         self.empty_rounds: list[int] = []  # rounds in which no sampled client's update was accepted
         self.outputs = RunOutputs(cfg)
-        self.releases = ReleaseLog(self.outputs.dir)  # write-ahead: every release, before its noise is added
         self.grid: Grid | None = None
-
-    def _seed_generators(self) -> None:
-        """The cohort sampler and the noise generator, from the run seed re-keyed for ``self.epoch``
-        (or from the OS's cryptographic source with ``privacy.secure_noise``: then neither the noise nor
-        the cohort can be rebuilt from the config)."""
-        p = self.cfg.privacy
-        seed = rekeyed_seed(self.cfg.seed, self.epoch)
-        self.sampler = make_sampler(p.sampling, self.population, p.expected_cohort, seed, secure=p.secure_noise)
-        self.noise = GaussianNoise(seed, device=self.cfg.device, secure=p.secure_noise)
-
-    def _account_lost_releases(self) -> None:
-        """Compose the releases the write-ahead log holds beyond the (restored) ledger into it and
-        re-key the generators, so that no re-run round reuses a noise draw or a cohort."""
-        lost = self.releases.lost_since(self.ledger)
-        if not lost:
-            self.epoch = self.releases.epoch
-            return
-        for event in lost:
-            self.ledger.compose(event)
-        self.epoch = self.releases.start_epoch()
-        self._seed_generators()
-        log.warning("%d release(s) were made after the checkpoint (round %d) and are accounted in the ledger; "
-                    "the rounds after it run again with fresh noise and cohorts (epoch %d)",
-                    len(lost), self.round, self.epoch)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -194,11 +169,8 @@ class DPFedAvgServer:
             "round": self.round,
             "params": self.params.cpu(),
             "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "noise": self.noise.state_dict(),
-            "ledger": self.ledger.state_dict(),
+            **self.mechanism.state_dict(),  # sampler, noise, ledger, adaptive_clip
             "disk": self.disk.state_dict() if self.disk else None,
-            "adaptive_clip": self.adaptive_clip.state_dict() if self.adaptive_clip else None,
             "client_ledgers": self.client_ledgers.state_dict(),
             "empty_rounds": list(self.empty_rounds),
             "side_information": self.side_info.state_dict() if self.side_info else None,
@@ -210,25 +182,13 @@ class DPFedAvgServer:
         self.round = int(state["round"])
         self.params = state["params"].to(self.cfg.device)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.noise.load_state_dict(state["noise"])
-        self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
+        self.mechanism.load_state_dict(state)
         if self.disk:
             self.disk.load_state_dict(state["disk"])
-        if self.adaptive_clip:
-            self.adaptive_clip.load_state_dict(state["adaptive_clip"])
         self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})  # absent before placements existed
         self.empty_rounds = list(state.get("empty_rounds", []))
         if self.side_info:
             self.side_info.load_state_dict(state["side_information"])
-
-    def _round_event(self) -> GaussianRound:
-        """This round's accounting event: the sampler's, or the emulated deployment's."""
-        p = self.cfg.privacy
-        if p.noise_cohort is None:
-            return self.sampler.round_event(p.noise_multiplier)
-        return GaussianRound(noise_multiplier=p.noise_multiplier, sampling=p.sampling,
-                             population=self.claim_population, expected_cohort=float(p.noise_cohort))
 
     def privacy_claim(self) -> str:
         """What the reported epsilon means, in words (written to the summary)."""
@@ -281,18 +241,21 @@ class DPFedAvgServer:
                 log.warning("this engine keeps no client state across a resume: uplink residuals restart at zero")
         else:
             self.outputs.save_model("initial_model.pt", self._model_state())
-        self._account_lost_releases()
+        lost = self.mechanism.attach_release_log(ReleaseLog(self.outputs.dir))
+        if lost:
+            log.warning("%d release(s) were made after the checkpoint (round %d) and are accounted in the ledger; "
+                        "the rounds after it run again with fresh noise and cohorts (epoch %d)",
+                        lost, self.round, self.mechanism.epoch)
         nodes = discover_nodes(grid, self.population)
         stop_reason = "rounds"
         while self.round < self.cfg.rounds:
-            event = self._round_event()
             target = self.cfg.privacy.target_epsilon
-            if target is not None and would_exceed(self.ledger, event, self.delta,
-                                                   self.cfg.privacy.budget_accountant, target):
+            if target is not None and self.mechanism.would_exceed(self.delta, self.cfg.privacy.budget_accountant,
+                                                                  target):
                 stop_reason = "privacy_budget"
                 log.info("stopping before round %d: it would exceed epsilon %.4g", self.round + 1, target)
                 break
-            self._run_round(grid, nodes, event)
+            self._run_round(grid, nodes)
         self.outputs.save_model("final_model.pt", self._model_state())
         self.outputs.save_checkpoint(self.state_dict())
         summary = {"rounds_completed": self.round, "stop_reason": stop_reason, "delta": self.delta,
@@ -300,7 +263,7 @@ class DPFedAvgServer:
                    "noise_multiplier": self.cfg.privacy.noise_multiplier,
                    "majority_baseline_accuracy": self.task.majority_baseline,
                    "privacy_claim": self.privacy_claim(),
-                   "releases": self.ledger.rounds, "rounds_with_no_accepted_update": self.empty_rounds,
+                   "releases": self.mechanism.ledger.rounds, "rounds_with_no_accepted_update": self.empty_rounds,
                    "data": data_provenance(self.cfg.data),
                    **{k: v for k, v in (self.outputs.rows[-1] if self.outputs.rows else {}).items()}}
         if self.side_info:
@@ -312,14 +275,10 @@ class DPFedAvgServer:
         self.outputs.finish(summary)
         return summary
 
-    def _privatize_and_step(self, agg: PrivateSum) -> None:
-        """Release ``g_t`` from the mechanism (the noise is added there), then post-process it:
-        DiSK's filter if configured, the server optimizer, and DiSK's record of the actual move.
-        DP-FedAdamBC subtracts the noise variance of what it is given: ``Phi_t`` of this round's
-        release (C_t moves under adaptive clipping), or DiSK's filtered ``V_t`` (:mod:`.optim.disk`)."""
-        p = self.cfg.privacy
-        phi = released_noise_variance(p.placement, agg.noise_multiplier, agg.clip_norm, agg.expected_cohort)
-        g = agg.release(self.noise)
+    def post_process(self, g: torch.Tensor, phi: float) -> None:
+        """Everything after the release, on ``g_t`` only (invariant 6): DiSK's filter if configured, the
+        server optimizer, and DiSK's record of the actual move. DP-FedAdamBC subtracts the noise variance
+        of what it is given: ``phi`` (this round's Phi_t), or DiSK's filtered ``V_t`` (:mod:`.optim.disk`)."""
         if self.disk:
             g = self.disk.filter_(g, phi)
             phi = self.disk.noise_variance
@@ -351,17 +310,17 @@ class DPFedAvgServer:
             self.client_ledgers.compose(partition, local_upload_event(p.noise_multiplier))
         return record_to_update(content.array_records.get("arrays"), self.params.numel(), self.cfg.device), metrics
 
-    def _run_round(self, grid: Grid, nodes: list[int], event: Any) -> None:
+    def _run_round(self, grid: Grid, nodes: list[int]) -> None:
         t0 = time.perf_counter()
         if self.side_info:
             vector_to_parameters(self.params, self.model.parameters())
             if self.side_info.update(self.round, self.model):  # public A at the released x_t
                 self.outputs.write_json("side_information.json", self.side_info.builds)
         self.round += 1
-        cohort = self.sampler.sample()
+        cohort = self.mechanism.sample()
         config = {"server-round": self.round}
-        if self.epoch:  # a re-run of released rounds: simulated clients draw fresh noise streams too
-            config["noise-epoch"] = self.epoch
+        if self.mechanism.epoch:  # a re-run of released rounds: simulated clients draw fresh noise streams too
+            config["noise-epoch"] = self.mechanism.epoch
         content = {"arrays": vector_to_record(self.params, self.model)}
         lookahead = self.disk.lookahead(self.params) if self.disk else None
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
@@ -369,7 +328,7 @@ class DPFedAvgServer:
             config["disk-c"] = self.disk.c
         side_info_bytes = 0
         p = self.cfg.privacy
-        clip_norm = self.adaptive_clip.clip_norm if self.adaptive_clip else p.clip_norm
+        clip_norm = self.mechanism.clip_norm
         if self.cfg.client.compression is not None:  # clients clip what they send at this round's C
             config["clip-norm"] = clip_norm
         if self.side_info:
@@ -383,10 +342,9 @@ class DPFedAvgServer:
                     dst_node_id=nodes[i], message_type="train", group_id=str(self.round))
             for i in cohort
         ]
-        agg = PrivateSum(self.params.numel(), clip_norm=clip_norm, noise_multiplier=value_noise(p),
-                         expected_cohort=float(p.expected_cohort), device=self.cfg.device, placement=p.placement)
+        agg = self.mechanism.aggregator(self.params.numel())
         if self.prefetch_noise:
-            agg.prefetch_noise(self.noise)  # round 1 or after a resume; else already drawing since the last round
+            self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
         partition_of = {nodes[i]: i for i in cohort}
         losses: list[float] = []
         uplink: list[int] = []
@@ -416,20 +374,15 @@ class DPFedAvgServer:
             self.empty_rounds.append(self.round)
             log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
                       self.round, len(cohort))
-        draw = draw_id(self.noise.state_dict()["generator"]) if agg.server_noise_std() > 0 else None
-        self.releases.record(self.ledger, self.round, event, draw)  # durable BEFORE the noise is added
-        self._privatize_and_step(agg)
-        if self.adaptive_clip:  # its count draw follows the value draw on the same generator
-            st = agg.stats
-            row_unclipped = self.adaptive_clip.update_(st.accepted - st.clipped, st.accepted, self.noise,
-                                                       noise_free=p.noise_multiplier == 0.0)
+        phi = self.mechanism.phi()  # Phi_t at this round's C_t (the release moves C under adaptive clipping)
+        g, row_unclipped = self.mechanism.release(agg, self.round)  # logged ahead, noised, accounted
+        self.post_process(g, phi)
         if self.prefetch_noise and self.round < self.cfg.rounds:  # every draw of this round is made:
-            agg.prefetch_noise(self.noise)  # start the next round's, to overlap this round's tail and its clients
-        self.ledger.compose(event)
+            self.mechanism.prefetch(agg)  # start the next round's, to overlap this round's tail and its clients
         row: dict[str, float] = {"round": self.round,
                                  "train_loss": sum(losses) / len(losses) if losses else float("nan"),
                                  "test_loss": float("nan"), "test_accuracy": float("nan")}
-        eps = epsilons(self.ledger, self.delta, list(p.accountants))
+        eps = self.mechanism.epsilons(self.delta, list(p.accountants))
         row.update({f"epsilon_{k}": (float("nan") if v is None else v) for k, v in eps.items()})
         if self.round % self.cfg.eval_every == 0 or self.round == self.cfg.rounds:
             vector_to_parameters(self.params, self.model.parameters())
@@ -437,7 +390,7 @@ class DPFedAvgServer:
         row.update(agg.stats.as_metrics())
         row["clip_norm"] = clip_norm
         row["server_noise_std"] = agg.server_noise_std()
-        if self.adaptive_clip:
+        if row_unclipped is not None:
             row["unclipped_fraction_released"] = row_unclipped
         row["downlink_bytes_per_client"] = float(downlink)
         row["uplink_bytes_per_client"] = sum(uplink) / len(uplink) if uplink else float("nan")

@@ -18,7 +18,8 @@ behaves like SGD with momentum (``notes/adambc.md`` §2.2). With ``m_0 = v_0 = 0
         && \text{(corrected\_v = False)}
 
 Symbols: ``lr`` = η, ``beta1`` = β₁, ``beta2`` = β₂, ``gamma_prime`` = γ′, ``phi`` = Φ (from
-:func:`dp_noise_variance`: ``noise_multiplier`` = z, ``clip_norm`` = C, ``expected_cohort`` = m);
+:func:`~fedprivacy.privacy.placement.dp_noise_variance`: ``noise_multiplier`` = z, ``clip_norm`` = C,
+``expected_cohort`` = m);
 ``t`` = the optimizer's own step count (from 1, held in the state); ``v^c`` = the moment the clean
 (un-noised) averages would give. All operations are elementwise. Order: bias-correct, subtract
 Φ, ``max(., gamma')``, square root, divide; there is NO additive epsilon (γ′ replaces Adam's γ, and
@@ -74,38 +75,13 @@ import torch
 from fedprivacy.optim.fedopt import AdaptiveServerOptimizer, adam_second_moment_, check_decay
 
 
-def dp_noise_variance(noise_multiplier: float, clip_norm: float, expected_cohort: float) -> float:
-    r"""``Phi = (noise_multiplier * clip_norm / expected_cohort)^2``: the per-coordinate noise variance of ``g``.
-
-    .. math:: \Phi = \big(z\,C / m\big)^2
-
-    Args:
-        noise_multiplier: z = noise std / clip_norm on the SUM of clipped updates (>= 0).
-        clip_norm: C, the flat L2 clip norm (> 0).
-        expected_cohort: m, the fixed divisor of the sum (> 0).
-
-    Returns:
-        Φ in the units of ``g`` squared; 0 when ``noise_multiplier`` is 0.
-
-    Raises:
-        ValueError: on a negative ``noise_multiplier`` or a non-positive ``clip_norm`` or
-            ``expected_cohort``.
-    """
-    if noise_multiplier < 0.0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-    if not clip_norm > 0.0:
-        raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
-    if not expected_cohort > 0.0:
-        raise ValueError(f"expected_cohort must be > 0, got {expected_cohort}")
-    return (noise_multiplier * clip_norm / expected_cohort) ** 2
-
-
 class ServerAdamBC(AdaptiveServerOptimizer):
     """Server Adam with the DP bias Φ subtracted from the second moment (module docstring).
 
     Args:
         lr: server learning rate η.
-        phi: Φ >= 0 from :func:`dp_noise_variance`; 0 gives Adam with γ′ inside the root.
+        phi: Φ >= 0 from :func:`~fedprivacy.privacy.placement.dp_noise_variance`; 0 gives Adam with γ′
+            inside the root.
         gamma_prime: γ′ > 0, the floor under ``v_hat - Phi``; tune it relative to Φ (the paper's
             tuned values span about 0.004 Φ to 0.84 Φ, notes §1.6) and jointly with ``lr``.
         beta1: β₁ in [0, 1).

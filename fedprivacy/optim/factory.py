@@ -82,7 +82,7 @@ def make_server_optimizer(
         tau: adaptivity τ, outside the root (adam, yogi, adagrad).
         bias_correction: Adam-style bias correction (adam, yogi; ``corrected_v`` for adambc).
         gamma_prime: γ′, the floor under ``v_hat - Phi`` (adambc, required).
-        phi: Φ from :func:`fedprivacy.optim.adambc.dp_noise_variance` (adambc, required).
+        phi: Φ from :func:`fedprivacy.privacy.placement.dp_noise_variance` (adambc, required).
         microadam: keyword options of :class:`~fedprivacy.optim.microadam.ServerMicroAdam`
             (microadam only; ``tau`` is its ``eps``).
 

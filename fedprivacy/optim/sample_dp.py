@@ -24,7 +24,7 @@ Methods, as configurations of one mechanism (the base optimizer only post-proces
 * DP-SGD (Abadi et al. 2016): base ``torch.optim.SGD``.
 * DP-Adam: base ``torch.optim.Adam`` (``m_hat / (sqrt(v_hat) + eps)``), as Opacus users run it.
 * DP-AdamBC (arXiv:2312.14334v1, Eq. 4, Alg. 1): :class:`~fedprivacy.optim.adambc.ServerAdamBC`
-  with ``Phi = (sigma C / B)^2`` (:func:`~fedprivacy.optim.adambc.dp_noise_variance`), run through
+  with ``Phi = (sigma C / B)^2`` (:func:`~fedprivacy.privacy.placement.dp_noise_variance`), run through
   :class:`FlatDescent`.
 * AdaDPS (arXiv:2202.05963v2, Alg. 1 Option 2 with a fixed ``A``): base SGD and ``preconditioner``.
   ``A = 1`` is DP-SGD bit for bit; ``A -> cA`` equals ``C -> cC, lr -> lr/c`` (notes/adadps.md §8).
@@ -71,7 +71,8 @@ from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _mar
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.optim import Optimizer
 
-from fedprivacy.optim.adambc import ServerAdamBC, dp_noise_variance
+from fedprivacy.optim.adambc import ServerAdamBC
+from fedprivacy.privacy.placement import dp_noise_variance
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.microadam import ServerMicroAdam
 

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from fedprivacy.optim.adambc import dp_noise_variance
 from fedprivacy.privacy.clipping import flat_l2_clip_
 from fedprivacy.privacy.noise import GaussianNoise
 
@@ -46,6 +45,32 @@ if TYPE_CHECKING:
     from fedprivacy.privacy.accounting import GaussianRound
 
 Placement = Literal["central", "distributed", "local"]
+
+
+def dp_noise_variance(noise_multiplier: float, clip_norm: float, expected_cohort: float) -> float:
+    r"""``Phi = (noise_multiplier * clip_norm / expected_cohort)^2``: the per-coordinate noise variance of ``g``.
+
+    .. math:: \Phi = \big(z\,C / m\big)^2
+
+    Args:
+        noise_multiplier: z = noise std / clip_norm on the SUM of clipped updates (>= 0).
+        clip_norm: C, the flat L2 clip norm (> 0).
+        expected_cohort: m, the fixed divisor of the sum (> 0).
+
+    Returns:
+        Φ in the units of ``g`` squared; 0 when ``noise_multiplier`` is 0.
+
+    Raises:
+        ValueError: on a negative ``noise_multiplier`` or a non-positive ``clip_norm`` or
+            ``expected_cohort``.
+    """
+    if noise_multiplier < 0.0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    if not clip_norm > 0.0:
+        raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+    if not expected_cohort > 0.0:
+        raise ValueError(f"expected_cohort must be > 0, got {expected_cohort}")
+    return (noise_multiplier * clip_norm / expected_cohort) ** 2
 
 
 def client_noise_std(placement: Placement, noise_multiplier: float, clip_norm: float, expected_cohort: float) -> float:

@@ -325,13 +325,13 @@ def test_a_crash_after_uncheckpointed_releases_keeps_every_release_accounted_wit
         pass
 
     cfg = small_config("rounds=4", "checkpoint_every=2", f"output_dir={tmp_path / 'run'}")
-    original = DPFedAvgServer._privatize_and_step
+    original = DPFedAvgServer.post_process
 
-    def crash_after_round_3(self, agg):
-        original(self, agg)
+    def crash_after_round_3(self, g, phi):
+        original(self, g, phi)
         if self.round == 3:
             raise Crash
-    monkeypatch.setattr(DPFedAvgServer, "_privatize_and_step", crash_after_round_3)
+    monkeypatch.setattr(DPFedAvgServer, "post_process", crash_after_round_3)
     with pytest.raises(Crash):
         run(cfg)
     monkeypatch.undo()

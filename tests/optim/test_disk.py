@@ -164,10 +164,11 @@ def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_con
     server = DPFedAvgServer(cfg, load_task(cfg.data))
     d = server.params.numel()
     for _ in range(300):
-        agg = PrivateSum(d, clip_norm=clip, noise_multiplier=z, expected_cohort=m)
+        agg = server.mechanism.aggregator(d)
         for _ in range(m):
             assert agg.add_(SparseUpdate.dense(torch.full((d,), s, dtype=torch.float32)))
-        server._privatize_and_step(agg)
+        g, _ = server.mechanism.release(agg, 1)
+        server.post_process(g, server.mechanism.phi())
     opt = server.optimizer
     shifted_square = opt._denominator(opt.v, opt.count) ** 2
     assert server.disk.noise_variance == pytest.approx(0.538, rel=0.01)

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from fedprivacy.optim.adambc import ServerAdamBC, dp_noise_variance
+from fedprivacy.optim.adambc import ServerAdamBC
+from fedprivacy.privacy.placement import dp_noise_variance
 from fedprivacy.optim.factory import make_server_optimizer
 from fedprivacy.optim.fedopt import ServerAdagrad, ServerAdam, ServerYogi
 from fedprivacy.optim.server_sgd import ServerSGD

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedprivacy.config import ConfigError
-from fedprivacy.fl.server_app import build_server_optimizer
+from fedprivacy.fl.server_app import build_mechanism, build_server_optimizer
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
@@ -115,7 +115,9 @@ def test_local_placement_reports_each_clients_epsilon(small_config, tmp_path):
 
 def test_adambc_phi_follows_the_placement(small_config):
     cfg = small_config("server.optimizer=adambc", "server.lr=0.01", "privacy.placement=local")
-    model = load_task(cfg.data).new_model()
-    opt = build_server_optimizer(cfg, sum(p.numel() for p in model.parameters()), model)
+    task = load_task(cfg.data)
+    model = task.new_model()
+    opt = build_server_optimizer(cfg, sum(p.numel() for p in model.parameters()), model,
+                                 build_mechanism(cfg, task.population))
     p = cfg.privacy
     assert opt.phi == pytest.approx(p.noise_multiplier ** 2 * p.clip_norm ** 2 / p.expected_cohort)

@@ -1,0 +1,192 @@
+r"""One run's user-level Gaussian mechanism: what is drawn and what is accounted, from one place.
+
+Round ``t`` (ARCHITECTURE "One round, in order", McMahan et al. 2018 Alg. 1; Andrew et al. 2021):
+
+.. math::
+    S_t &\sim \text{Poisson}(q = m/N) \text{ or } \binom{[N]}{m} \qquad \text{(:meth:`sample`)} \\
+    g_t &= \frac{1}{m}\Big(\sum_{i \in S_t} \operatorname{clip}(u_i, C_t) + \mathcal N(0, z_v^2 C_t^2 I_d)\Big)
+        \qquad \text{(:meth:`aggregator`, :meth:`release`)} \\
+    \text{ledger} &\mathrel{+}= \text{event}_t \qquad \text{(:meth:`event`, composed by :meth:`release`)}
+
+``z_v`` is the value noise multiplier on the SIMULATED sum: ``z`` itself, ``z m / M`` when emulating a
+deployment's cohort ``M`` (pfl-research's large-cohort emulation), inflated under adaptive clipping so
+that the value and the clipped-count releases compose to exactly ``z`` (Andrew et al. Thm. 1). The
+event is the sampler's (its sampling, the full population ``N``, ``m``) or the emulated deployment's
+(``M`` of ``N'``), always with noise multiplier ``z``. Because :meth:`event`, the draw in
+:meth:`release` and :meth:`phi` read the same fields, they cannot disagree.
+
+The mechanism owns the dedicated noise generator and the cohort sampler (seeded from the run seed,
+re-keyed per epoch after a resume that re-runs released rounds, or from the OS with ``secure``),
+the adaptive clip ``C_t``, the privacy ledger and, when given one, the write-ahead release log: every
+release is durably logged before its noise is added (:mod:`.release_log`).
+
+Seams: a subclass may override :meth:`aggregator` (how updates are clipped and summed) and
+:meth:`privatize` (how the sum is noised and divided); the audit's deliberately broken mechanisms
+(:mod:`fedprivacy.audit`) do exactly that, so they break the real pipeline, not a copy of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
+from fedprivacy.privacy.aggregation import PrivateSum
+from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.placement import Placement, released_noise_variance
+from fedprivacy.privacy.release_log import ReleaseLog, draw_id, rekeyed_seed
+from fedprivacy.privacy.sampling import make_sampler
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """Andrew et al. 2021: move C toward the ``target_quantile`` of update norms at ``learning_rate``,
+    from a count released with noise ``count_stddev`` (sigma_b)."""
+
+    target_quantile: float
+    learning_rate: float
+    count_stddev: float
+
+
+class GaussianMechanism:
+    """Clip, sum, ONE Gaussian draw, fixed divisor; the cohort sampler and the ledger that match it.
+
+    Args:
+        noise_multiplier: z, the std of the noise on the sum in units of C (0: no privacy).
+        clip_norm: C (the initial C under adaptive clipping).
+        expected_cohort: m: expected (Poisson) or exact (fixed) cohort, and the fixed divisor.
+        population: N, the FULL population the sampler draws from.
+        sampling: ``"poisson"`` or ``"fixed"``.
+        placement: who adds the noise (:mod:`.placement`).
+        adaptive: adaptive clipping, or None for a fixed C.
+        noise_cohort, noise_population: large-cohort emulation (the claim's M and N'), or None.
+        seed: the run seed (ignored for the draws when ``secure``).
+        secure: noise and cohort from the OS's cryptographic source.
+        device: where the sum and the noise live.
+    """
+
+    def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
+                 sampling: str = "poisson", placement: Placement = "central",
+                 adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
+                 noise_population: int | None = None, seed: int = 0, secure: bool = False,
+                 device: str | torch.device = "cpu") -> None:
+        self.noise_multiplier = noise_multiplier
+        self.expected_cohort = expected_cohort
+        self.population = population
+        self.sampling = sampling
+        self.placement = placement
+        self.noise_cohort = noise_cohort
+        self.claim_population = noise_population or population
+        self.seed, self.secure, self.device = seed, secure, device
+        z_simulated = noise_multiplier * expected_cohort / (noise_cohort or expected_cohort)
+        self.value_noise_multiplier = (value_noise_multiplier(z_simulated, adaptive.count_stddev) if adaptive
+                                       else z_simulated)
+        self.adaptive = (AdaptiveClip(clip_norm, target_quantile=adaptive.target_quantile,
+                                      learning_rate=adaptive.learning_rate, count_stddev=adaptive.count_stddev,
+                                      expected_cohort=expected_cohort) if adaptive else None)
+        self._fixed_clip_norm = clip_norm
+        self.ledger = PrivacyLedger()
+        self.release_log: ReleaseLog | None = None
+        self.epoch = 0
+        self._seed_generators()
+
+    # -- what one round draws ----------------------------------------------------------------
+    @property
+    def clip_norm(self) -> float:
+        """This round's C_t."""
+        return self.adaptive.clip_norm if self.adaptive else self._fixed_clip_norm
+
+    def _seed_generators(self) -> None:
+        seed = rekeyed_seed(self.seed, self.epoch)
+        self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure)
+        self.noise = GaussianNoise(seed, device=self.device, secure=self.secure)
+
+    def sample(self) -> np.ndarray:
+        """This round's cohort: sorted indices into ``0..population-1`` (Poisson: possibly empty)."""
+        return self.sampler.sample()
+
+    def event(self) -> GaussianRound:
+        """The accounting event of one release: the sampler's, or the emulated deployment's."""
+        if self.noise_cohort is None:
+            return self.sampler.round_event(self.noise_multiplier)
+        return GaussianRound(noise_multiplier=self.noise_multiplier, sampling=self.sampling,
+                             population=self.claim_population, expected_cohort=float(self.noise_cohort))
+
+    def aggregator(self, dim: int) -> PrivateSum:
+        """The round's streaming clip-and-sum at C_t (seam: how updates are clipped and summed)."""
+        return PrivateSum(dim, clip_norm=self.clip_norm, noise_multiplier=self.value_noise_multiplier,
+                          expected_cohort=float(self.expected_cohort), device=self.device, placement=self.placement)
+
+    def phi(self) -> float:
+        """Per-coordinate noise variance of this round's released ``g_t`` at C_t (DP-AdamBC's Phi_t)."""
+        return released_noise_variance(self.placement, self.value_noise_multiplier, self.clip_norm,
+                                       float(self.expected_cohort))
+
+    def prefetch(self, agg: PrivateSum) -> None:
+        """Start the release's draw on the noise thread (see :meth:`PrivateSum.prefetch_noise`)."""
+        agg.prefetch_noise(self.noise)
+
+    def privatize(self, agg: PrivateSum) -> torch.Tensor:
+        """``(sum + noise) / m`` (seam: how the sum is noised and divided)."""
+        return agg.release(self.noise)
+
+    def release(self, agg: PrivateSum, round_: int) -> tuple[torch.Tensor, float | None]:
+        """Log the release ahead (if a log is attached), draw the noise, divide, then (adaptive
+        clipping) release the clipped count and move C; compose the round's event into the ledger.
+
+        Returns:
+            ``g_t`` and, under adaptive clipping, the released unclipped fraction (else None).
+        """
+        event = self.event()
+        if self.release_log is not None:
+            draw = draw_id(self.noise.state_dict()["generator"]) if agg.server_noise_std() > 0 else None
+            self.release_log.record(self.ledger, round_, event, draw)  # durable BEFORE the noise is added
+        g = self.privatize(agg)
+        fraction = None
+        if self.adaptive:  # its count draw follows the value draw on the same generator
+            st = agg.stats
+            fraction = self.adaptive.update_(st.accepted - st.clipped, st.accepted, self.noise,
+                                             noise_free=self.noise_multiplier == 0.0)
+        self.ledger.compose(event)
+        return g, fraction
+
+    # -- accounting ----------------------------------------------------------------------------
+    def epsilons(self, delta: float, kinds: list[AccountantKind]) -> dict[str, float | None]:
+        """Epsilon of every release so far under each accountant."""
+        return epsilons(self.ledger, delta, kinds)
+
+    def would_exceed(self, delta: float, kind: AccountantKind, target: float) -> bool:
+        """Whether the NEXT release would take epsilon above ``target`` (invariant 8: ask before)."""
+        return would_exceed(self.ledger, self.event(), delta, kind, target)
+
+    def attach_release_log(self, log: ReleaseLog) -> int:
+        """Log every release to ``log``; compose the releases it holds beyond the ledger (a crash after
+        them, before a checkpoint) and re-key the generators so that no re-run round reuses a draw or a
+        cohort. Returns how many such releases were found."""
+        self.release_log = log
+        lost = log.lost_since(self.ledger)
+        if lost:
+            for event in lost:
+                self.ledger.compose(event)
+            self.epoch = log.start_epoch()
+            self._seed_generators()
+        else:
+            self.epoch = log.epoch
+        return len(lost)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "noise": self.noise.state_dict(),
+                "ledger": self.ledger.state_dict(),
+                "adaptive_clip": self.adaptive.state_dict() if self.adaptive else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.noise.load_state_dict(state["noise"])
+        self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
+        if self.adaptive:
+            self.adaptive.load_state_dict(state["adaptive_clip"])
