@@ -409,6 +409,12 @@ class RayConfig(_Section):
 
     num_cpus: float = Field(1.0, gt=0.0)
     num_gpus: float = Field(0.0, ge=0.0)
+    address: str | None = Field(None, min_length=1)
+    """Ray cluster to run the ClientApps on, passed as ``ray.init(address=...)``: ``HOST:PORT`` of a
+    cluster's head (its GCS port, ``ray start --head --port PORT``; run fedprivacy on a node of that
+    cluster) or ``auto`` (the cluster last started with ``ray start`` on this machine). ``None``:
+    Ray's default, i.e. ``RAY_ADDRESS`` if set, else that last ``ray start`` cluster if one runs, else
+    a new Ray instance private to this run (stopped at the end). See docs/DEPLOYMENT.md §5."""
 
 
 class RunConfig(_Section):

@@ -2,9 +2,11 @@
 
 Each of the ``population`` virtual SuperNodes gets ``partition-id`` = its client index. Flower
 runs ClientApps in Ray actors sized by ``ray.num_cpus`` / ``ray.num_gpus`` (fractional GPUs
-allowed). ``flwr.simulation.run_simulation`` is deprecated upstream but is Flower's only
-in-Python entry to this engine; ``flwr run .`` with ``--run-config "config-yaml='...'"`` runs
-the same apps through a SuperLink instead.
+allowed). With ``ray.address`` set they run on that existing Ray cluster (every node with a free
+``ray.num_cpus``/``ray.num_gpus`` slot hosts actors; the ServerApp stays in this process), else on
+Ray's default (see :class:`~fedprivacy.config.RayConfig`). ``flwr.simulation.run_simulation`` is
+deprecated upstream but is Flower's only in-Python entry to this engine; ``flwr run .`` with
+``--run-config "config-yaml='...'"`` runs the same apps through a SuperLink instead.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ def run_ray(server_app: ServerApp, client_app: ClientApp, num_nodes: int, resour
     """Run the apps on Flower's Simulation Engine with ``num_nodes`` SuperNodes."""
     from flwr.simulation import run_simulation
 
+    init_args: dict[str, object] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if resources.address is not None:  # Flower's RayBackend passes init_args on to ray.init(**init_args)
+        init_args["address"] = resources.address
     backend_config = {
         "client_resources": {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
-        "init_args": {"logging_level": logging.WARNING, "log_to_driver": True},
+        "init_args": init_args,
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
