@@ -1,0 +1,208 @@
+r"""User-level DP strategies for any Flower 1.41 ``ServerApp``: DP-FedAvg(M), DP-FedAdam/Yogi/Adagrad,
+DP-FedAdamBC and DP-MicroAdam on any model whose parameters travel as an ``ArrayRecord``.
+
+.. code-block:: python
+
+    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=100)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=50)
+    strategy.epsilons()  # privacy spent so far, under RDP, PRV and PLD
+
+Round ``t`` (McMahan et al. 2018, Alg. 1; ARCHITECTURE "One round, in order"):
+
+1. **sample** over the FULL population (``population`` registered nodes; the run waits for them in
+   round 1): Poisson with ``q = m / N`` or exactly ``m`` without replacement, accounted as exactly
+   that (:class:`~fedprivacy.privacy.mechanism.GaussianMechanism`);
+2. **broadcast** ``x_t``; each reply is either the client's full weights (Flower's convention: the
+   strategy takes ``u_i = w_i - x_t`` against what it sent) or fedprivacy's sparse delta
+   (``{"indices", "values"}``, :func:`~fedprivacy.fl.records.record_to_update`);
+3. **clip** each ``u_i`` to C over ALL its float32 coordinates, **sum** unweighted, add **one**
+   Gaussian draw ``N(0, z^2 C^2 I)``, divide by the EXPECTED cohort ``m``:
+   ``g_t = (sum_i clip(u_i) + xi) / m``;
+4. **then** the server optimizer on ``g_t`` (post-processing; Flower's own DP wrappers add the
+   noise AFTER the wrapped strategy's step, which breaks adaptive optimizers);
+5. **account** the round; a ``target_epsilon`` stops the run before the round that would exceed it.
+
+A reply the strategy cannot use (an error, other keys or shapes than the broadcast, another dtype,
+NaN/Inf) counts as zero, changes neither the noise nor the divisor, and is logged as a WARNING
+with its reason; the round's ``MetricRecord`` counts rejections by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedprivacy.fl.records import arrays_to_record, record_to_arrays, record_to_update
+from fedprivacy.optim.adambc import ServerAdamBC
+from fedprivacy.optim.factory import make_server_optimizer
+from fedprivacy.privacy.accounting import AccountantKind
+from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+
+log = logging.getLogger(__name__)
+
+
+class DPFedAvg(Strategy):
+    """User-level DP-FedAvg with any fedprivacy server optimizer (module docstring).
+
+    Args:
+        noise_multiplier: z (noise std on the sum in units of C).
+        clip_norm: C (the initial C with ``adaptive_clipping``).
+        expected_cohort: m, the expected (Poisson) or exact (fixed) cohort and the fixed divisor.
+        population: N, the number of nodes sampling ranges over (all of them must register).
+        sampling: ``"poisson"`` (add/remove-one) or ``"fixed"`` (replace-one).
+        optimizer: ``sgd`` (DP-FedAvg; with ``momentum``, DP-FedAvgM), ``adam``, ``yogi``,
+            ``adagrad``, ``adambc`` (Phi from the mechanism), ``microadam``.
+        optimizer_settings: the optimizer's keyword settings (:func:`fedprivacy.optim.factory.make_server_optimizer`).
+        adaptive_clipping: Andrew et al.'s quantile clip, or None.
+        delta: the target delta (default ``1 / population``).
+        target_epsilon: stop before the round that would exceed it under ``budget_accountant``.
+        accountants: the epsilons reported each round.
+        seed: seeds the cohort and the noise (reproducible simulation), unless ``secure_noise``.
+        secure_noise: draw noise and cohort from the OS's cryptographic source.
+        node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
+    """
+
+    def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
+                 sampling: str = "poisson", optimizer: str = "sgd", lr: float = 1.0,
+                 optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
+                 delta: float | None = None, target_epsilon: float | None = None,
+                 budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
+                 seed: int = 0, secure_noise: bool = False, node_timeout: float = 600.0) -> None:
+        self.mechanism = GaussianMechanism(
+            noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
+            population=population, sampling=sampling, adaptive=adaptive_clipping, seed=seed, secure=secure_noise)
+        settings = dict(optimizer_settings or {})
+        if optimizer == "adambc":
+            settings.setdefault("phi", self.mechanism.phi())
+            settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
+        self.optimizer = make_server_optimizer(optimizer, lr=lr, **settings)
+        self.delta = delta if delta is not None else 1.0 / population
+        self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
+        self.accountants = list(accountants)
+        self.node_timeout = node_timeout
+        self.stopped = False
+        self._nodes: list[int] | None = None
+        self._sent: dict[str, np.ndarray] | None = None
+
+    # -- Flower's Strategy interface ----------------------------------------------------------
+    def summary(self) -> None:
+        m = self.mechanism
+        log.info("DPFedAvg: z=%g, C=%g, m=%d of N=%d (%s sampling), delta=%.3g, server optimizer %s",
+                 m.noise_multiplier, m.clip_norm, m.expected_cohort, m.population, m.sampling, self.delta,
+                 type(self.optimizer).__name__)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Sample the cohort over the full population; broadcast ``arrays`` and ``config`` to it."""
+        if self.stopped or (self.target_epsilon is not None and self.mechanism.would_exceed(
+                self.delta, self.budget_accountant, self.target_epsilon)):
+            if not self.stopped:
+                log.warning("round %d: stopping, it would exceed epsilon %g", server_round, self.target_epsilon)
+            self.stopped = True
+            return []
+        nodes = self._population(grid)
+        self._sent = _float32_arrays(arrays)
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "server-round": server_round})})
+        return [Message(content, dst_node_id=nodes[i], message_type="train") for i in self.mechanism.sample()]
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Clip, sum, ONE noise draw, fixed divisor, then the server optimizer: ``x_{t+1}``."""
+        if self.stopped or self._sent is None:
+            return None, None
+        x = _flatten(self._sent)
+        agg = self.mechanism.aggregator(x.numel())
+        for reply in replies:
+            try:
+                update = self._update(reply, x)
+            except RejectedUpdate as err:
+                agg.reject(err.reason, f"node {reply.metadata.src_node_id}", str(err))
+                continue
+            agg.add_(update, f"node {reply.metadata.src_node_id}")
+        for line in agg.stats.rejection_warnings():
+            log.warning("round %d: %s", server_round, line)
+        phi = self.mechanism.phi()
+        g, _ = self.mechanism.release(agg, server_round)
+        if isinstance(self.optimizer, ServerAdamBC):
+            self.optimizer.set_phi(phi)
+        self.optimizer.step_(x, g)
+        metrics = {**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
+                                               for k, v in self.epsilons().items()}}
+        return arrays_to_record(_unflatten(x, self._sent)), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """No client-side evaluation (evaluate centrally with ``start(evaluate_fn=...)``)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    # -- privacy ------------------------------------------------------------------------------
+    def epsilons(self) -> dict[str, float | None]:
+        """Epsilon spent so far at ``delta`` under each of ``accountants``."""
+        return self.mechanism.epsilons(self.delta, self.accountants)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _population(self, grid: Grid) -> list[int]:
+        """The population's node ids, fixed at round 1 once all ``population`` nodes are registered."""
+        if self._nodes is None:
+            deadline = time.monotonic() + self.node_timeout
+            while len(ids := sorted(grid.get_node_ids())) < self.mechanism.population:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {len(ids)} of population={self.mechanism.population} nodes "
+                                       f"registered within {self.node_timeout:.0f} s")
+                time.sleep(0.05)
+            if len(ids) > self.mechanism.population:
+                raise ValueError(f"{len(ids)} nodes registered but population={self.mechanism.population}: "
+                                 "sampling must range over exactly the population the accountant assumes")
+            self._nodes = ids
+        return self._nodes
+
+    def _update(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
+        """The reply's update: full weights minus the broadcast, or a sparse delta; else RejectedUpdate."""
+        if reply.has_error():
+            raise RejectedUpdate("failed", reply.error.reason)
+        record = reply.content.array_records.get("arrays")
+        if isinstance(record, ArrayRecord) and list(record.keys()) == list(self._sent):
+            try:
+                weights = record_to_arrays(record)
+            except ValueError as err:
+                raise RejectedUpdate("dtype", str(err)) from None
+            for name, sent in self._sent.items():
+                if weights[name].dtype != np.float32 or weights[name].shape != sent.shape:
+                    raise RejectedUpdate("dtype" if weights[name].shape == sent.shape else "malformed",
+                                         f"{name}: {weights[name].dtype}{weights[name].shape}, "
+                                         f"sent float32{sent.shape}")
+            return SparseUpdate.dense(_flatten(weights) - x)
+        return record_to_update(record, x.numel())
+
+
+def _float32_arrays(arrays: ArrayRecord) -> dict[str, np.ndarray]:
+    """The broadcast's arrays; every one must be float32 (the private vector is all of them)."""
+    out = {name: np.array(a) for name, a in record_to_arrays(arrays).items()}
+    wrong = [f"{name} ({a.dtype})" for name, a in out.items() if a.dtype != np.float32]
+    if wrong:
+        raise ValueError(f"DP strategies train float32 arrays only; convert or leave out: {', '.join(wrong)}")
+    return out
+
+
+def _flatten(arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays.values()]).astype(np.float32))
+
+
+def _unflatten(vector: torch.Tensor, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    flat, out, start = vector.numpy(), {}, 0
+    for name, a in like.items():
+        out[name] = flat[start:start + a.size].reshape(a.shape).copy()
+        start += a.size
+    return out

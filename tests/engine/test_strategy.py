@@ -1,0 +1,125 @@
+"""The DP strategy inside a ServerApp written as in Flower's quickstart, with a plain PyTorch ClientApp
+that imports nothing of fedprivacy (issue "Open the engine", acceptance)."""
+
+import logging
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+from torch import nn
+
+from fedprivacy.engines.inprocess import run_inprocess
+from fedprivacy.fl.strategy import DPFedAvg
+from fedprivacy.privacy.accounting import epsilon_for
+
+IN, OUT = 200, 100  # 20,100 parameters
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(IN, OUT)
+
+
+def _plain_client_app(reply=None) -> ClientApp:
+    """A stock Flower ClientApp: local SGD on its own data, replies its full weights."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = _model()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        gen = torch.Generator().manual_seed(int(context.node_config["partition-id"]))
+        x, y = torch.randn(32, IN, generator=gen), torch.randint(0, OUT, (32,), generator=gen)
+        opt = torch.optim.SGD(model.parameters(), lr=float(msg.content["config"]["lr"]))
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                              "metrics": MetricRecord({"num-examples": 32})})
+        if reply is not None:
+            content = reply(content)
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def _run(strategy, client_app: ClientApp, nodes: int, rounds: int, lr: float) -> ArrayRecord:
+    out = {}
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(_model().state_dict()), num_rounds=rounds,
+                                train_config=ConfigRecord({"lr": lr}))
+        out["arrays"] = result.arrays
+
+    run_inprocess(app, client_app, nodes)
+    return out["arrays"]
+
+
+def _flat(arrays: ArrayRecord) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in arrays.to_torch_state_dict().values()])
+
+
+def test_without_noise_and_clipping_it_equals_flowers_fedavg_with_equal_weights():
+    dp = _run(DPFedAvg(noise_multiplier=0.0, clip_norm=1e9, expected_cohort=10, population=10, sampling="fixed"),
+              _plain_client_app(), 10, rounds=2, lr=0.5)
+    plain = _run(FedAvg(min_train_nodes=10, min_available_nodes=10, fraction_evaluate=0.0),
+                 _plain_client_app(), 10, rounds=2, lr=0.5)
+    assert not torch.allclose(_flat(plain), _flat(ArrayRecord(_model().state_dict())))  # it trained
+    torch.testing.assert_close(_flat(dp), _flat(plain), rtol=1e-5, atol=1e-6)
+
+
+def test_with_client_lr_zero_the_model_moves_by_noise_of_std_zC_over_m():
+    dp = _run(DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=10, sampling="fixed"),
+              _plain_client_app(), 10, rounds=1, lr=0.0)
+    change = _flat(dp) - _flat(ArrayRecord(_model().state_dict()))
+    assert float(change.std()) == pytest.approx(0.1, rel=0.02)
+
+
+def test_its_epsilon_equals_fedprivacy_epsilon_for_the_same_events():
+    strategy = DPFedAvg(noise_multiplier=1.2, clip_norm=1.0, expected_cohort=5, population=20, delta=1e-3)
+    _run(strategy, _plain_client_app(), 20, rounds=3, lr=0.1)
+    eps = strategy.epsilons()
+    for kind in ("rdp", "pld"):
+        assert eps[kind] == pytest.approx(epsilon_for("poisson", 0.25, 1.2, 3, 1e-3, kind), rel=1e-12)
+
+
+def test_a_reply_it_cannot_use_is_counted_and_warned_about(caplog):
+    def wrong_shape(content: RecordDict) -> RecordDict:
+        content["arrays"] = ArrayRecord({"weight": torch.zeros(3)})  # not the model that was sent
+        return content
+
+    strategy = DPFedAvg(noise_multiplier=0.0, clip_norm=1.0, expected_cohort=4, population=4, sampling="fixed")
+    with caplog.at_level(logging.WARNING):
+        arrays = _run(strategy, _plain_client_app(wrong_shape), 4, rounds=1, lr=0.5)
+    assert torch.equal(_flat(arrays), _flat(ArrayRecord(_model().state_dict())))  # every update counted zero
+    assert any("4 update(s) rejected as zero (malformed)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_budget_stops_the_run_before_the_round_that_would_exceed_it():
+    probe = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=5, population=20)
+    _run(probe, _plain_client_app(), 20, rounds=2, lr=0.1)
+    two_rounds = probe.epsilons()["rdp"]
+    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=5, population=20,
+                        target_epsilon=two_rounds * 1.0001)
+    _run(strategy, _plain_client_app(), 20, rounds=5, lr=0.1)
+    assert strategy.stopped and strategy.mechanism.ledger.rounds == 2
+    assert strategy.epsilons()["rdp"] == pytest.approx(two_rounds)
+
+
+def test_the_readme_example_runs_and_learns(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "examples" / "dp_strategy.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    accuracy, eps = map(float, re.search(r"accuracy ([\d.]+) .* epsilon ([\d.]+)", out.stdout).groups())
+    assert accuracy > 0.75 and 0 < eps < 20
