@@ -223,3 +223,26 @@ def record_to_tensors(record: ArrayRecord, device: str | torch.device = "cpu") -
 def record_nbytes(record: ArrayRecord) -> int:
     """Bytes of a record's arrays as they travel (``.npy`` payloads, headers included)."""
     return sum(len(record[name].data) for name in record.keys())
+
+
+def float32_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """A model record's arrays (copies); every one must be float32 (a DP update covers all of them)."""
+    out = {name: np.array(a) for name, a in record_to_arrays(record).items()}
+    wrong = [f"{name} ({a.dtype})" for name, a in out.items() if a.dtype != np.float32]
+    if wrong:
+        raise ValueError(f"DP training covers float32 arrays only; convert or leave out: {', '.join(wrong)}")
+    return out
+
+
+def arrays_to_vector(arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    """Named arrays as one flat float32 vector, in the record's order."""
+    return torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays.values()]).astype(np.float32))
+
+
+def vector_to_arrays(vector: torch.Tensor, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`arrays_to_vector`: a flat vector cut into arrays shaped as ``like``."""
+    flat, out, start = vector.detach().cpu().numpy(), {}, 0
+    for name, a in like.items():
+        out[name] = flat[start:start + a.size].reshape(a.shape).copy()
+        start += a.size
+    return out

@@ -40,12 +40,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedprivacy.fl.records import arrays_to_record, record_to_arrays, record_to_update
+from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays, record_to_update, vector_to_arrays
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import make_server_optimizer
 from fedprivacy.privacy.accounting import AccountantKind
 from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+from fedprivacy.privacy.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class DPFedAvg(Strategy):
         expected_cohort: m, the expected (Poisson) or exact (fixed) cohort and the fixed divisor.
         population: N, the number of nodes sampling ranges over (all of them must register).
         sampling: ``"poisson"`` (add/remove-one) or ``"fixed"`` (replace-one).
+        placement: ``central`` (this strategy clips and draws the noise), or ``distributed`` / ``local``
+            (the clients clip and add their noise with :func:`fedprivacy.fl.mods.client_noise_mod`; the
+            strategy sums the uploads as they are and tops up missing distributed shares).
         optimizer: ``sgd`` (DP-FedAvg; with ``momentum``, DP-FedAvgM), ``adam``, ``yogi``,
             ``adagrad``, ``adambc`` (Phi from the mechanism), ``microadam``.
         optimizer_settings: the optimizer's keyword settings (:func:`fedprivacy.optim.factory.make_server_optimizer`).
@@ -72,14 +76,15 @@ class DPFedAvg(Strategy):
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: str = "poisson", optimizer: str = "sgd", lr: float = 1.0,
+                 sampling: str = "poisson", placement: Placement = "central", optimizer: str = "sgd", lr: float = 1.0,
                  optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
                  delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
                  seed: int = 0, secure_noise: bool = False, node_timeout: float = 600.0) -> None:
         self.mechanism = GaussianMechanism(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
-            population=population, sampling=sampling, adaptive=adaptive_clipping, seed=seed, secure=secure_noise)
+            population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping, seed=seed,
+            secure=secure_noise)
         settings = dict(optimizer_settings or {})
         if optimizer == "adambc":
             settings.setdefault("phi", self.mechanism.phi())
@@ -110,7 +115,7 @@ class DPFedAvg(Strategy):
             self.stopped = True
             return []
         nodes = self._population(grid)
-        self._sent = _float32_arrays(arrays)
+        self._sent = float32_arrays(arrays)
         content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "server-round": server_round})})
         return [Message(content, dst_node_id=nodes[i], message_type="train") for i in self.mechanism.sample()]
 
@@ -119,7 +124,7 @@ class DPFedAvg(Strategy):
         """Clip, sum, ONE noise draw, fixed divisor, then the server optimizer: ``x_{t+1}``."""
         if self.stopped or self._sent is None:
             return None, None
-        x = _flatten(self._sent)
+        x = arrays_to_vector(self._sent)
         agg = self.mechanism.aggregator(x.numel())
         for reply in replies:
             try:
@@ -137,7 +142,7 @@ class DPFedAvg(Strategy):
         self.optimizer.step_(x, g)
         metrics = {**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
                                                for k, v in self.epsilons().items()}}
-        return arrays_to_record(_unflatten(x, self._sent)), MetricRecord(metrics)
+        return arrays_to_record(vector_to_arrays(x, self._sent)), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -183,26 +188,5 @@ class DPFedAvg(Strategy):
                     raise RejectedUpdate("dtype" if weights[name].shape == sent.shape else "malformed",
                                          f"{name}: {weights[name].dtype}{weights[name].shape}, "
                                          f"sent float32{sent.shape}")
-            return SparseUpdate.dense(_flatten(weights) - x)
+            return SparseUpdate.dense(arrays_to_vector(weights) - x)
         return record_to_update(record, x.numel())
-
-
-def _float32_arrays(arrays: ArrayRecord) -> dict[str, np.ndarray]:
-    """The broadcast's arrays; every one must be float32 (the private vector is all of them)."""
-    out = {name: np.array(a) for name, a in record_to_arrays(arrays).items()}
-    wrong = [f"{name} ({a.dtype})" for name, a in out.items() if a.dtype != np.float32]
-    if wrong:
-        raise ValueError(f"DP strategies train float32 arrays only; convert or leave out: {', '.join(wrong)}")
-    return out
-
-
-def _flatten(arrays: dict[str, np.ndarray]) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays.values()]).astype(np.float32))
-
-
-def _unflatten(vector: torch.Tensor, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    flat, out, start = vector.numpy(), {}, 0
-    for name, a in like.items():
-        out[name] = flat[start:start + a.size].reshape(a.shape).copy()
-        start += a.size
-    return out

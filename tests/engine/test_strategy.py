@@ -23,9 +23,9 @@ def _model() -> nn.Module:
     return nn.Linear(IN, OUT)
 
 
-def _plain_client_app(reply=None) -> ClientApp:
+def _plain_client_app(reply=None, mods=None) -> ClientApp:
     """A stock Flower ClientApp: local SGD on its own data, replies its full weights."""
-    app = ClientApp()
+    app = ClientApp(mods=mods)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -123,3 +123,19 @@ def test_the_readme_example_runs_and_learns(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     accuracy, eps = map(float, re.search(r"accuracy ([\d.]+) .* epsilon ([\d.]+)", out.stdout).groups())
     assert accuracy > 0.75 and 0 < eps < 20
+
+
+@pytest.mark.parametrize(("placement", "std"), [("distributed", 0.1), ("local", 10**-0.5)])
+def test_client_noise_mod_with_a_stock_client_carries_the_placements_noise(placement, std):
+    """lr 0: every update is 0, so what moves the model is the clients' noise alone. Distributed: 10
+    shares of N(0, (zC)^2/m) sum to N(0, (zC)^2), divided by m: std zC/m = 0.1. Local: each client adds
+    N(0, (zC)^2): std zC/sqrt(m)."""
+    from fedprivacy.fl.mods import client_noise_mod
+
+    app = _plain_client_app(mods=[client_noise_mod(placement=placement, noise_multiplier=1.0, clip_norm=1.0,
+                                                   expected_cohort=10)])
+    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=10, sampling="fixed",
+                        placement=placement)
+    dp = _run(strategy, app, 10, rounds=1, lr=0.0)
+    change = _flat(dp) - _flat(ArrayRecord(_model().state_dict()))
+    assert float(change.std()) == pytest.approx(std, rel=0.02)

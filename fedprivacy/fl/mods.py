@@ -1,0 +1,48 @@
+r"""Client mods for any Flower ClientApp: client-side clipping with distributed or local noise.
+
+.. code-block:: python
+
+    app = ClientApp(mods=[client_noise_mod(placement="distributed", noise_multiplier=1.0, clip_norm=1.0,
+                                           expected_cohort=10)])
+
+The wrapped ClientApp trains as it always does and replies its full weights ``w_i`` (Flower's
+convention). The mod turns that into the privatized upload of :mod:`fedprivacy.privacy.placement`:
+
+.. math:: w_i' = x_t + \operatorname{clip}(w_i - x_t, C) + \mathcal N(0, s^2 I_d), \qquad
+          s = zC/\sqrt m \ (\text{distributed}) \ \text{or}\ zC \ (\text{local})
+
+over every float32 array the server sent, so the server (``DPFedAvg(placement=...)``, which then does
+not clip) sums shares that carry the full noise ``N(0, z^2 C^2)``. The noise comes from the OS's
+cryptographic source, never from a seed the server knows or sets: a device's noise protects it from
+the server only if the server cannot rebuild it.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp.typing import ClientAppCallable, Mod
+
+from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, vector_to_arrays
+from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.placement import Placement, client_noise_std, privatize_upload_
+
+
+def client_noise_mod(*, placement: Placement, noise_multiplier: float, clip_norm: float,
+                     expected_cohort: int) -> Mod:
+    """A mod that clips the client's update to ``clip_norm`` and adds its noise (module docstring)."""
+    if placement not in ("distributed", "local"):
+        raise ValueError(f"placement must be 'distributed' or 'local' for a client mod, got {placement!r}")
+    std = client_noise_std(placement, noise_multiplier, clip_norm, expected_cohort)
+
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        reply = call_next(msg, context)
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        sent = float32_arrays(msg.content["arrays"])
+        start = arrays_to_vector(sent)
+        update = arrays_to_vector(float32_arrays(reply.content["arrays"])) - start
+        privatize_upload_(update, clip_norm, std, GaussianNoise(0, secure=True))
+        reply.content["arrays"] = arrays_to_record(vector_to_arrays(start + update, sent))
+        return reply
+
+    return mod
