@@ -132,8 +132,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
     from fedprivacy.deploy.local import DeploymentError, deploy_local
+    from fedprivacy.devices import check_run_device
 
     cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    check_run_device(cfg)  # the SuperNodes run here too
     try:
         summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, reproducible=args.reproducible,
                                resume=args.resume,
@@ -150,8 +152,10 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from fedprivacy.audit import run_audit
+    from fedprivacy.devices import check_run_device
 
     cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    check_run_device(cfg)
     report = run_audit(cfg, trials=args.trials, delta=args.delta, alpha=args.alpha, variant=args.break_variant,
                        accountant=args.accountant)
     print(json.dumps(report.as_dict(), indent=2))
@@ -214,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="study YAML (see configs/study_*.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a study field, e.g. --set seeds=[0] --set base.rounds=5 (repeatable)")
-    p.add_argument("--jobs", type=int, help="runs in parallel (default: the number of usable CPU cores)")
+    p.add_argument("--jobs", type=int, help="runs in parallel (default: the number of usable CPU cores; when the "
+                                            "runs use CUDA, the number of GPUs, one worker per GPU)")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs")

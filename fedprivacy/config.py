@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 M = TypeVar("M", bound=BaseModel)
+
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?|mps")
+"""The values ``device`` takes (:class:`RunConfig`)."""
 
 MAX_NOISE_STD = math.sqrt(3.4028234663852886e38)
 """Largest clip norm, noise multiplier and noise std (z C) on the sum: their squares (the noise's
@@ -425,6 +429,9 @@ class RunConfig(_Section):
     eval_every: int = Field(5, ge=1)
     engine: Literal["inprocess", "ray"] = "inprocess"
     device: str = "cpu"
+    """Where the model and its tensors live: ``cpu``, ``cuda`` (the current GPU), ``cuda:N`` or ``mps``.
+    Whether this machine has it is checked when a run starts (:func:`fedprivacy.devices.check_run_device`),
+    not here, so a config written for a GPU machine still parses on a laptop."""
     num_threads: int | None = Field(1, ge=1)
     """torch intra-op threads in this process (``None``: torch's default). Per-client work is
     small sparse ops, which threads slow down more than they help (see BENCHMARKS.md)."""
@@ -443,6 +450,26 @@ class RunConfig(_Section):
     server: ServerConfig = ServerConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if not DEVICE_PATTERN.fullmatch(device):
+            raise ValueError("must be cpu, cuda, cuda:N (N = 0, 1, ...) or mps")
+        return device
+
+    @model_validator(mode="after")
+    def _gpus_fit_the_engine(self) -> RunConfig:
+        if self.engine != "ray" or not self.device.startswith("cuda"):
+            return self
+        if self.ray.num_gpus == 0:
+            raise ValueError(f"device={self.device!r} with engine 'ray' needs ray.num_gpus > 0 (the GPU share of "
+                             "each client, e.g. 0.25 for four clients per GPU): Ray hides the GPUs from a "
+                             "ClientApp that reserves none")
+        if self.device not in ("cuda", "cuda:0"):
+            raise ValueError(f"device={self.device!r} with engine 'ray': Ray shows each ClientApp the GPU it "
+                             "assigned as cuda:0, so use device: cuda (CUDA_VISIBLE_DEVICES chooses Ray's GPUs)")
+        return self
 
     @model_validator(mode="after")
     def _processes_fit_the_engine(self) -> RunConfig:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fedprivacy.config import RunConfig
+from fedprivacy.devices import check_run_device
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
@@ -24,8 +25,10 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary.
 
     The run holds ``cfg.output_dir``'s lock throughout: a second run into the folder is refused
-    (:class:`~fedprivacy.locks.FolderBusyError` naming this one's pid, host and start time).
+    (:class:`~fedprivacy.locks.FolderBusyError` naming this one's pid, host and start time). A
+    ``device`` this machine lacks is refused first (:class:`~fedprivacy.devices.DeviceUnavailableError`).
     """
+    check_run_device(cfg)
     if resume:
         require_checkpoint(cfg.output_dir)
     if cfg.num_threads is not None:

@@ -213,7 +213,8 @@ class TagPredictionTask(_BagOfWordsTask):
     @staticmethod
     def loss(logits: torch.Tensor, labels: np.ndarray) -> torch.Tensor:
         """Mean softmax cross-entropy over the batch."""
-        return nn.functional.cross_entropy(logits, torch.as_tensor(labels, dtype=torch.long, device=logits.device))
+        y = torch.as_tensor(labels, dtype=torch.long).to(logits.device, non_blocking=True)  # no wait for the device
+        return nn.functional.cross_entropy(logits, y)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Example-weighted test loss and accuracy."""
@@ -254,7 +255,7 @@ class MultiLabelTagTask(_BagOfWordsTask):
     @staticmethod
     def loss(logits: torch.Tensor, tags: sp.csr_matrix) -> torch.Tensor:
         """Mean binary cross-entropy with logits over the batch and the tags."""
-        target = torch.as_tensor(tags.toarray(), dtype=logits.dtype, device=logits.device)
+        target = torch.as_tensor(tags.toarray(), dtype=logits.dtype).to(logits.device, non_blocking=True)
         return nn.functional.binary_cross_entropy_with_logits(logits, target)
 
     @torch.no_grad()
@@ -341,7 +342,7 @@ class NextWordTask:
     @staticmethod
     def loss(logits: torch.Tensor, targets: np.ndarray) -> torch.Tensor:
         """Mean cross-entropy over non-pad target positions."""
-        y = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=logits.device)
+        y = torch.as_tensor(np.asarray(targets, dtype=np.int64)).to(logits.device, non_blocking=True)
         return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
 
     @torch.no_grad()

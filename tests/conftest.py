@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedprivacy.config import RunConfig, build_config
 from fedprivacy.data.synthetic import generate
@@ -30,3 +31,17 @@ def small_config(small_data, tmp_path):
         return build_config(base, list(overrides))
 
     return make
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """``fake_gpus(n, build_cuda="12.4")``: torch reports ``n`` GPUs (0: CUDA unavailable), from a CUDA
+    build (``build_cuda=None``: a CPU-only build), and ``CUDA_VISIBLE_DEVICES`` is unset."""
+
+    def fake(n: int, build_cuda: str | None = "12.4") -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.version, "cuda", build_cuda)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    return fake

@@ -45,7 +45,11 @@ every client the same δ instead; a client where that is >= 1/n_i is flagged (``
 
 Randomness: one ``SeedSequence`` is split into four disjoint streams: micro-batch partition,
 Poisson sampling, noise (dedicated; ``secure_noise`` seeds it from the OS instead) and
-DP-MicroAdam's rounding. Nothing draws from the global torch RNG.
+DP-MicroAdam's rounding. Nothing draws from the global torch RNG. The noise generator lives on the
+model's device (a CUDA run draws its noise there); sampling and partition stay on the CPU.
+
+On a GPU the step loops do not wait for the device: batches go to it with ``non_blocking`` copies
+and the batch losses stay there until the run ends (:func:`~fedprivacy.devices.host_floats`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import Dataset, TensorDataset
 
+from fedprivacy.devices import host_floats
 from fedprivacy.optim.sample_dp import SampleDPConfig, SampleDPOptimizer, clip_factors, make_sample_dp_optimizer
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.noise import torch_seed
@@ -72,8 +77,8 @@ from fedprivacy.privacy.noise import torch_seed
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _torch_generator(seq: np.random.SeedSequence) -> torch.Generator:
-    return torch.Generator().manual_seed(torch_seed(seq))
+def _torch_generator(seq: np.random.SeedSequence, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(torch_seed(seq))
 
 
 class MicroBatchUnits(Dataset):
@@ -119,21 +124,22 @@ def poisson_batches(units: Dataset, sample_rate: float, steps: int, generator: t
 
 
 def per_sample_closure(model: GradSampleModule, loss_fn: LossFn, inputs: torch.Tensor,
-                       targets: torch.Tensor) -> Callable[[], float]:
-    """Forward and backward of the SUMMED loss on one fixed batch; returns the mean loss per record.
+                       targets: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Forward and backward of the SUMMED loss on one fixed batch; returns the mean loss per record
+    (a 0-d tensor on the model's device, so the step does not wait for it).
 
     ``loss_fn(outputs, targets)`` must return per-record losses (``reduction="none"``). An empty
     batch gets zero-row ``grad_sample`` tensors (its step is noise only) and a NaN loss.
     """
-    def closure() -> float:
+    def closure() -> torch.Tensor:
         if len(inputs) == 0:
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.grad_sample = p.new_zeros((0, *p.shape))
-            return math.nan
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+            return params[0].new_tensor(math.nan)
         losses = loss_fn(model(inputs), targets)
         losses.sum().backward()
-        return float(losses.detach().mean())
+        return losses.detach().mean()
     return closure
 
 
@@ -218,8 +224,9 @@ def _plan(params: list[nn.Parameter], dataset: Dataset, cfg: SampleDPConfig, see
     q = min(1.0, cfg.expected_units / n_units)
     cfg = replace(cfg, batch_size=q * n_units * k, micro_batch_size=k)
     steps = max(1, round(epochs / q)) if steps is None else steps
-    noise_gen = (torch.Generator().manual_seed(secrets.randbits(63)) if secure_noise
-                 else _torch_generator(noise_seq))
+    device = params[0].device  # the noise is drawn where the gradients are
+    noise_gen = (torch.Generator(device=device).manual_seed(secrets.randbits(63)) if secure_noise
+                 else _torch_generator(noise_seq, device))
     optimizer = make_sample_dp_optimizer(params, cfg, generator=noise_gen, preconditioner=preconditioner,
                                          seed=int(rounding_seq.generate_state(1)[0]))
     acct = make_accountant(accountant)
@@ -258,10 +265,10 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
                  accountant=accountant, secure_noise=secure_noise)
     optimizer, k = plan.optimizer, plan.cfg.micro_batch_size
     gsm = GradSampleModule(model, loss_reduction="sum")
-    losses = []
+    device, losses = params[0].device, []
     try:
         for t, batch in enumerate(poisson_batches(plan.units, plan.q, plan.steps, plan.sampling_generator), start=1):
-            inputs, targets = flatten_units(batch, k)
+            inputs, targets = (part.to(device, non_blocking=True) for part in flatten_units(batch, k))
             optimizer.zero_grad(set_to_none=True)
             losses.append(optimizer.step(per_sample_closure(gsm, loss_fn, inputs, targets)))
             if on_step is not None:
@@ -269,7 +276,7 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
     finally:
         optimizer.zero_grad(set_to_none=True)
         gsm._close()
-    return SampleDPRun(optimizer, plan.accountant, plan.event, plan.steps, losses)
+    return SampleDPRun(optimizer, plan.accountant, plan.event, plan.steps, host_floats(losses))
 
 
 @dataclass(frozen=True)
@@ -425,13 +432,11 @@ def softmax_regression_clipped_sum(x: sp.csr_matrix, y: torch.Tensor, weight: to
 def _sparse_pair(x: sp.csr_matrix, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` and its transpose as torch sparse COO tensors (indices in range by construction: unchecked)."""
     coo = x.tocoo()
-    rows, cols = torch.from_numpy(coo.row.astype(np.int64)), torch.from_numpy(coo.col.astype(np.int64))
-    values = torch.from_numpy(coo.data).to(dtype)
+    indices = torch.from_numpy(np.stack([coo.row, coo.col]).astype(np.int64)).to(device, non_blocking=True)
+    values = torch.from_numpy(coo.data).to(dtype).to(device, non_blocking=True)
     n, vocab = x.shape
-    return (torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (n, vocab), device=device,
-                                    check_invariants=False),
-            torch.sparse_coo_tensor(torch.stack([cols, rows]), values, (vocab, n), device=device,
-                                    check_invariants=False))
+    return (torch.sparse_coo_tensor(indices, values, (n, vocab), check_invariants=False),
+            torch.sparse_coo_tensor(indices.flip(0), values, (vocab, n), check_invariants=False))
 
 
 def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, cfg: SampleDPConfig,
@@ -467,7 +472,7 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
     n = features.shape[0]
     plan = _plan(params, TensorDataset(torch.arange(n)), cfg, seed, steps=None, epochs=epochs, preconditioner=None,
                  accountant=accountant, secure_noise=secure_noise)
-    y_all = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=weight.device)
+    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     start = parameters_to_vector(params).detach().clone()
     optimizer, k = plan.optimizer, plan.cfg.micro_batch_size
     w_at = next(i for i, p in enumerate(optimizer.params) if p is weight)
@@ -475,11 +480,12 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
     try:
         for batch in poisson_batches(plan.units, plan.q, plan.steps, plan.sampling_generator):
             rows = flatten_units(batch, k)[0]
+            x, y = features[rows.numpy()], y_all[rows].to(weight.device, non_blocking=True)
             sums = []
 
             def clipped_sum(ahead: list[torch.Tensor] | None = None, c: float = 0.0) -> list[torch.Tensor]:
                 point = None if ahead is None else (ahead[w_at], ahead[1 - w_at])
-                sums.append(softmax_regression_clipped_sum(features[rows.numpy()], y_all[rows], weight.detach(),
+                sums.append(softmax_regression_clipped_sum(x, y, weight.detach(),
                                                            bias.detach(), cfg.clip_norm, k,
                                                            lookahead=point, c=c, preconditioner=preconditioner))
                 return [sums[-1].weight if p is weight else sums[-1].bias for p in optimizer.params]
@@ -490,7 +496,7 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
             else:
                 optimizer.step_disk_clipped_sum(clipped_sum)
             if len(rows):
-                losses.append(float(sums[-1].losses.mean()))
+                losses.append(sums[-1].losses.mean())
         update = parameters_to_vector(params).detach() - start
     finally:
         optimizer.zero_grad(set_to_none=True)
@@ -498,7 +504,7 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
             vector_to_parameters(start, params)
     delta = client_delta(plan.event.population, target_delta, delta_factor)
     return SampleDPResult(update, counted_epsilon(plan.accountant, plan.event, delta), plan.steps, plan.event,
-                          delta, sum(losses) / len(losses) if losses else math.nan, n)
+                          delta, sum(host_floats(losses)) / len(losses) if losses else math.nan, n)
 
 
 METRIC_PREFIX = "sample-dp-"

@@ -15,6 +15,10 @@ model serves every client of a round without a full copy. A model that defines `
 (sparse logistic regression) instead accumulates the delta on just those rows and returns it
 block-sparse; the shared model is never written.
 
+The batch loops never wait for the device: batches go to it with ``non_blocking`` copies and
+the losses stay there until the client is done (:func:`~fedprivacy.devices.host_floats`), so on
+a GPU the host queues work ahead instead of synchronising at every batch.
+
 References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
 """
 
@@ -29,6 +33,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
+from fedprivacy.devices import host_floats
 from fedprivacy.privacy.aggregation import SparseUpdate
 
 CLIENT_STREAM = 0x636C69656E74  # "client"
@@ -78,8 +83,8 @@ class FlatView:
 
 def softmax_cross_entropy(logits: torch.Tensor, labels: np.ndarray) -> torch.Tensor:
     """Mean softmax cross-entropy over the batch (the default task's loss)."""
-    return nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(labels, dtype=np.int64),
-                                                               device=logits.device))
+    y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(logits.device, non_blocking=True)
+    return nn.functional.cross_entropy(logits, y)
 
 
 def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np.ndarray | sp.csr_matrix, *,
@@ -117,7 +122,7 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
               if preconditioner and name in preconditioner]
     n = features.shape[0]
     loss_fn = loss_fn or softmax_cross_entropy
-    loss_sum = 0.0
+    losses, sizes = [], []
     model.train()
     try:
         for _ in range(epochs):
@@ -130,12 +135,18 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
                 for p, a in divide:
                     _divide_grad_(p, a)
                 optimizer.step()
-                loss_sum += float(loss.detach()) * len(idx)
+                losses.append(loss.detach())
+                sizes.append(len(idx))
         values = view.gather(support).sub_(start)
     finally:  # the working model is x_t again, even if training failed
         view.scatter_(support, origin)
     return LocalResult(update=SparseUpdate(support, values, view.numel),
-                       train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
+                       train_loss=_mean_loss(losses, sizes, n * epochs), num_examples=n)
+
+
+def _mean_loss(losses: list[torch.Tensor], sizes: list[int], examples: int) -> float:
+    """Example-weighted mean of the batches' mean losses (read from the device once); 0 without examples."""
+    return sum(loss * size for loss, size in zip(host_floats(losses), sizes)) / examples if examples else 0.0
 
 
 def _divide_grad_(p: nn.Parameter, a: torch.Tensor) -> None:
@@ -166,17 +177,16 @@ def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndar
     inverse_a = model.inverse_preconditioner(preconditioner, blocks)
     n = features.shape[0]
     y_all = np.asarray(labels, dtype=np.int64)
-    loss_sum, first = 0.0, True
+    losses, sizes = [], []
     for _ in range(epochs):
         order = rng.permutation(n)
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
-            y = torch.from_numpy(y_all[idx]).to(delta.device)
-            loss = model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=first)
-            loss_sum += loss * len(idx)
-            first = False
+            y = torch.from_numpy(y_all[idx]).to(delta.device, non_blocking=True)
+            losses.append(model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=not losses))
+            sizes.append(len(idx))
     return LocalResult(update=SparseUpdate(blocks, delta, sum(p.numel() for p in model.parameters())),
-                       train_loss=loss_sum / (n * epochs) if n else 0.0, num_examples=n)
+                       train_loss=_mean_loss(losses, sizes, n * epochs), num_examples=n)
 
 
 @torch.no_grad()
@@ -187,10 +197,10 @@ def evaluate(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, batc
     n = features.shape[0]
     if n == 0:
         return {"test_loss": float("nan"), "test_accuracy": float("nan")}
-    loss_sum, correct = 0.0, 0
+    loss_sums, correct = [], []
     for lo in range(0, n, batch_size):
         logits = model(features[lo:lo + batch_size])
-        y = torch.from_numpy(np.asarray(labels[lo:lo + batch_size], dtype=np.int64)).to(device)
-        loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-    return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+        y = torch.from_numpy(np.asarray(labels[lo:lo + batch_size], dtype=np.int64)).to(device, non_blocking=True)
+        loss_sums.append(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        correct.append((logits.argmax(dim=1) == y).sum())
+    return {"test_loss": sum(host_floats(loss_sums)) / n, "test_accuracy": sum(host_floats(correct)) / n}

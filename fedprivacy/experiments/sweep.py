@@ -15,6 +15,8 @@ same study therefore continues an interrupted sweep. A study whose runs' configs
 or grid value) are added.
 
 Workers are ``spawn``-ed processes (no state shared with the parent; torch uses one thread each).
+When the runs use CUDA, each worker sees one GPU (``CUDA_VISIBLE_DEVICES``: worker ``i`` the
+``i mod n``-th of ``n``, :func:`fedprivacy.devices.worker_gpus`) and there is one worker per GPU by default.
 Data are generated and the preprocessing cache is filled in the parent first, so workers never race
 to build them. A worker exits when its parent dies (checked every 0.5 s), and holds a lock on its
 run folder while it runs, so a restarted sweep never writes into a run an orphan still holds.
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.config import RunConfig, config_differences, config_from_json
+from fedprivacy.devices import worker_gpus
 from fedprivacy.engines.processes import usable_cores
 from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
@@ -166,9 +169,12 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _init_worker(events, parent: int) -> None:
+def _init_worker(events, parent: int, gpu: str | None) -> None:
+    """Set up a worker; ``gpu``: the one GPU it sees, as ``cuda:0`` (set before anything initialises CUDA)."""
     global _events
     _events = events
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
 
@@ -260,9 +266,12 @@ def _terminate(signum, frame):  # SIGTERM: stop like Ctrl-C (workers stopped, fo
 def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: bool | None = None) -> SweepResult:
     """Run every unfinished run of ``study`` (resuming partial ones) with ``jobs`` worker processes.
 
+    ``jobs=None``: one worker per GPU when the runs use CUDA, else one per usable core.
+
     Raises:
         StudyChangedError: the output folder holds runs of a different configuration.
         SweepBusyError: another sweep is running on the folder.
+        DeviceUnavailableError: the runs use CUDA and this machine has none (:func:`~fedprivacy.devices.worker_gpus`).
         KeyboardInterrupt: interrupted (Ctrl-C or SIGTERM); workers are stopped, the folder resumes.
     """
     specs = expand(study)
@@ -281,14 +290,18 @@ def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: boo
             else:
                 todo.append(s)
         if todo:
+            gpus = worker_gpus((s.config.device for s in todo), jobs)
             prepare_data(todo)
-            _run_parallel(study, specs, todo, jobs or usable_cores(), result, show_progress)
+            _run_parallel(study, specs, todo, len(gpus) if gpus else jobs or usable_cores(), result, show_progress,
+                          gpus=gpus)
         return result
 
 
 def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec], jobs: int, result: SweepResult,
-                  show_progress: bool | None, target: Callable[[str, str], dict[str, Any]] = execute) -> None:
-    """Run ``todo`` on ``jobs`` one-worker pools, ``target(run_id, config_json)`` per run (:func:`execute`).
+                  show_progress: bool | None, target: Callable[[str, str], dict[str, Any]] = execute,
+                  gpus: list[str] | None = None) -> None:
+    """Run ``todo`` on ``jobs`` one-worker pools, ``target(run_id, config_json)`` per run (:func:`execute`);
+    pool ``i`` sees GPU ``gpus[i]`` alone (``gpus``: one entry per pool, or None for no GPU).
 
     Each pool has one worker, so a worker that dies (killed for memory, ``kill -9``) breaks only its
     own pool: only the run it was running fails, its pool is replaced, and the other runs go on.
@@ -299,11 +312,16 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
     progress = SweepProgress(rounds, finished=result.skipped, enabled=show_progress)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
 
-    def new_pool() -> ProcessPoolExecutor:
-        with _single_threaded_children():
-            return ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(events, os.getpid()))
+    gpu_of: dict[ProcessPoolExecutor, str | None] = {}
 
-    idle = [new_pool() for _ in range(min(jobs, len(todo)))]
+    def new_pool(gpu: str | None) -> ProcessPoolExecutor:
+        with _single_threaded_children():
+            pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(events, os.getpid(), gpu))
+        gpu_of[pool] = gpu
+        return pool
+
+    idle = [new_pool(gpus[i] if gpus else None) for i in range(min(jobs, len(todo)))]
     queue, running = list(reversed(todo)), {}  # future -> (run id, its pool)
     try:
         with progress:
@@ -323,7 +341,7 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
                         outcome = {"run_id": rid, "status": "failed",
                                    "error": "its worker process died (killed?); rerun the sweep to resume this run"}
                         pool.shutdown(wait=False)
-                        pool = new_pool()
+                        pool = new_pool(gpu_of.pop(pool))
                     idle.append(pool)
                     if outcome["status"] == "failed":
                         result.failed[rid] = outcome["error"]

@@ -39,10 +39,10 @@ class SparseLogisticRegression(nn.Module):
 
     def forward(self, x: sp.csr_matrix) -> torch.Tensor:
         """Logits for the rows of a SciPy CSR matrix (float32 values, int indices)."""
-        device = self.bias.device
-        indices = torch.from_numpy(x.indices.astype(np.int64, copy=False)).to(device)
-        offsets = torch.from_numpy(x.indptr[:-1].astype(np.int64, copy=False)).to(device)
-        weights = torch.from_numpy(x.data.astype(np.float32, copy=False)).to(device)
+        device = self.bias.device  # non_blocking: host-to-device copies need not wait for the device
+        indices = torch.from_numpy(x.indices.astype(np.int64, copy=False)).to(device, non_blocking=True)
+        offsets = torch.from_numpy(x.indptr[:-1].astype(np.int64, copy=False)).to(device, non_blocking=True)
+        weights = torch.from_numpy(x.data.astype(np.float32, copy=False)).to(device, non_blocking=True)
         return self.embedding(indices, offsets, per_sample_weights=weights) + self.bias
 
     def update_support(self, x: sp.csr_matrix) -> torch.Tensor:
@@ -128,9 +128,10 @@ class SparseLogisticRegression(nn.Module):
     def local_sgd_step_(local: LocalRows, rows: np.ndarray, start: tuple[torch.Tensor, torch.Tensor],
                         delta: torch.Tensor, labels: torch.Tensor, lr: float,
                         inverse_a: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None), *,
-                        delta_is_zero: bool = False) -> float:
+                        delta_is_zero: bool = False) -> torch.Tensor:
         """One SGD step of the mean cross-entropy of rows ``rows`` at ``start + delta``, in closed form,
-        accumulated into ``delta`` in place; returns the batch's mean loss before the step.
+        accumulated into ``delta`` in place; returns the batch's mean loss before the step (a 0-d
+        tensor on ``delta``'s device: reading it would wait for the device).
 
         .. math:: \\Delta_b \\leftarrow \\Delta_b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,
                   \\quad \\Delta_W \\leftarrow \\Delta_W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
@@ -150,7 +151,7 @@ class SparseLogisticRegression(nn.Module):
         logits = SparseLogisticRegression.local_logits(bag, start, None if delta_is_zero else delta)
         dlogits = torch.softmax(logits, dim=1)
         at_label = labels[:, None]
-        loss = -float(dlogits.gather(1, at_label).log_().mean())  # the cross-entropy, from the softmax needed anyway
+        loss = dlogits.gather(1, at_label).log_().mean().neg_()  # the cross-entropy, from the softmax needed anyway
         dlogits.scatter_add_(1, at_label, torch.full((batch, 1), -1.0, device=device))
         dlogits.div_(batch)
         bias_grad = dlogits.sum(0)
@@ -186,7 +187,7 @@ class LocalRows:
         np.cumsum(lengths[:-1], out=offsets[1:])
         row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
         positions = (starts - offsets)[row_of] + np.arange(len(row_of), dtype=np.int64)
-        return Bag(*(torch.from_numpy(a).to(device) for a in (
+        return Bag(*(torch.from_numpy(a).to(device, non_blocking=True) for a in (
             self.words[positions], self.columns[positions], self.values[positions], offsets, row_of)))
 
 

@@ -34,6 +34,6 @@ class NextWordLSTM(nn.Module):
         """Logits ``(batch, seq_len, num_classes)`` for int token ids ``(batch, seq_len)``."""
         device = self.output.weight.device
         x = torch.as_tensor(np.asarray(tokens, dtype=np.int64) if isinstance(tokens, np.ndarray)
-                            else tokens, device=device).long()
+                            else tokens).to(device, non_blocking=True).long()  # need not wait for the device
         hidden, _ = self.lstm(self.embedding(x))
         return self.output(self.projection(hidden))
