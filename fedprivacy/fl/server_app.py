@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
-from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
@@ -311,14 +312,49 @@ class DPFedAvgServer:
         return record_to_update(content.array_records.get("arrays"), self.params.numel(), self.cfg.device), metrics
 
     def _run_round(self, grid: Grid, nodes: list[int]) -> None:
+        """One round, top-down as in ARCHITECTURE.md: sample, broadcast, clip and sum the replies as they
+        stream in, release (logged ahead, ONE draw, fixed divisor, accounted), post-process, record."""
         t0 = time.perf_counter()
-        if self.side_info:
-            vector_to_parameters(self.params, self.model.parameters())
-            if self.side_info.update(self.round, self.model):  # public A at the released x_t
-                self.outputs.write_json("side_information.json", self.side_info.builds)
+        self._refresh_side_information()
         self.round += 1
         cohort = self.mechanism.sample()
-        config = {"server-round": self.round}
+        clip_norm = self.mechanism.clip_norm  # C_t: the release moves it under adaptive clipping
+        messages, downlink, side_info_bytes = self._broadcast(cohort, nodes, clip_norm)
+        agg = self.mechanism.aggregator(self.params.numel())
+        if self.prefetch_noise:
+            self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
+        replies = self._collect(grid, messages, {nodes[i]: int(i) for i in cohort}, agg)
+        self._report_rejections(agg, len(cohort))
+        phi = self.mechanism.phi()
+        g, unclipped = self.mechanism.release(agg, self.round)
+        self.post_process(g, phi)
+        if self.prefetch_noise and self.round < self.cfg.rounds:  # every draw of this round is made:
+            self.mechanism.prefetch(agg)  # start the next round's, to overlap this round's tail and its clients
+        row = self._metrics_row(agg, replies, clip_norm, unclipped)
+        row.update(downlink_bytes_per_client=float(downlink), cohort_sampled=float(len(cohort)),
+                   cohort_dropped=float(replies.dropped), seconds=time.perf_counter() - t0)
+        if self.side_info:
+            row["side_information_bytes"] = float(side_info_bytes)
+        self.outputs.log_round(row)
+        if self.round % self.cfg.checkpoint_every == 0:
+            self.outputs.save_checkpoint(self.state_dict())
+        accountant = self.cfg.privacy.budget_accountant
+        accuracy = row.get("test_accuracy", float("nan"))
+        log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", self.round, len(cohort), accountant,
+                 row[f"epsilon_{accountant}"], row["seconds"],
+                 f", test accuracy {accuracy:.4f}" if accuracy == accuracy else "")
+
+    def _refresh_side_information(self) -> None:
+        """AdaDPS: rebuild the public ``A`` at the released ``x_t`` when its schedule says so."""
+        if self.side_info:
+            vector_to_parameters(self.params, self.model.parameters())
+            if self.side_info.update(self.round, self.model):
+                self.outputs.write_json("side_information.json", self.side_info.builds)
+
+    def _broadcast(self, cohort, nodes: list[int], clip_norm: float) -> tuple[list[Message], int, int]:
+        """The round's train messages (``x_t``, config, DiSK's lookahead, AdaDPS's A where due), the
+        downlink bytes per client and the side information bytes of the round."""
+        config: dict[str, Any] = {"server-round": self.round}
         if self.mechanism.epoch:  # a re-run of released rounds: simulated clients draw fresh noise streams too
             config["noise-epoch"] = self.mechanism.epoch
         content = {"arrays": vector_to_record(self.params, self.model)}
@@ -326,29 +362,25 @@ class DPFedAvgServer:
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
             content["lookahead"] = vector_to_record(lookahead, self.model)
             config["disk-c"] = self.disk.c
-        side_info_bytes = 0
-        p = self.cfg.privacy
-        clip_norm = self.mechanism.clip_norm
         if self.cfg.client.compression is not None:  # clients clip what they send at this round's C
             config["clip-norm"] = clip_norm
+        side_info_bytes = 0
         if self.side_info:
             config[SIDE_INFO_VERSION] = self.side_info.version
             side_info_bytes = sum(self.side_info.bytes_for(nodes[i]) for i in cohort)
         content["config"] = ConfigRecord(config)
-        downlink = self._downlink_bytes(lookahead is not None)  # before this round's step changes the model
-        expected = {nodes[i] for i in cohort}
         messages = [
             Message(RecordDict({**content, **(self.side_info.content_for(nodes[i]) if self.side_info else {})}),
                     dst_node_id=nodes[i], message_type="train", group_id=str(self.round))
             for i in cohort
         ]
-        agg = self.mechanism.aggregator(self.params.numel())
-        if self.prefetch_noise:
-            self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
-        partition_of = {nodes[i]: i for i in cohort}
-        losses: list[float] = []
-        uplink: list[int] = []
-        residual_bytes: list[float] = []
+        return messages, self._downlink_bytes(lookahead is not None), side_info_bytes
+
+    def _collect(self, grid: Grid, messages: list[Message], partition_of: dict[int, int],
+                 agg: PrivateSum) -> _Replies:
+        """Stream the replies into ``agg`` (each one accepted, or rejected with its reason) and keep
+        their diagnostics; a node that does not answer is a dropout."""
+        expected, replies = set(partition_of), _Replies()
         for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s):
             src = reply.metadata.src_node_id
             if src not in expected:  # a duplicate or unsolicited reply never counts twice
@@ -363,24 +395,27 @@ class DPFedAvgServer:
                 agg.reject(err.reason, f"node {src}", str(err))
                 continue
             if agg.add_(update, f"node {src}"):
-                uplink.append(record_nbytes(reply.content["arrays"]))
+                replies.uplink.append(record_nbytes(reply.content["arrays"]))
                 if "train_loss" in metrics:
-                    losses.append(metrics["train_loss"])
-                residual_bytes.append(metrics.get("residual-bytes", 0.0))
-        dropped = len(expected)
+                    replies.losses.append(metrics["train_loss"])
+                replies.residual_bytes.append(metrics.get("residual-bytes", 0.0))
+        replies.dropped = len(expected)
+        return replies
+
+    def _report_rejections(self, agg: PrivateSum, sampled: int) -> None:
+        """One warning per rejection reason; an error (and a flag in the summary) when nothing was accepted."""
         for line in agg.stats.rejection_warnings():
             log.warning("round %d: %s", self.round, line)
-        if cohort.size and not agg.stats.accepted:
+        if sampled and not agg.stats.accepted:
             self.empty_rounds.append(self.round)
             log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
-                      self.round, len(cohort))
-        phi = self.mechanism.phi()  # Phi_t at this round's C_t (the release moves C under adaptive clipping)
-        g, row_unclipped = self.mechanism.release(agg, self.round)  # logged ahead, noised, accounted
-        self.post_process(g, phi)
-        if self.prefetch_noise and self.round < self.cfg.rounds:  # every draw of this round is made:
-            self.mechanism.prefetch(agg)  # start the next round's, to overlap this round's tail and its clients
-        row: dict[str, float] = {"round": self.round,
-                                 "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+                      self.round, sampled)
+
+    def _metrics_row(self, agg: PrivateSum, replies: _Replies, clip_norm: float,
+                     unclipped: float | None) -> dict[str, float]:
+        """The round's metrics.csv row: losses, epsilons, evaluation when due, aggregation statistics."""
+        p = self.cfg.privacy
+        row: dict[str, float] = {"round": self.round, "train_loss": _mean(replies.losses, float("nan")),
                                  "test_loss": float("nan"), "test_accuracy": float("nan")}
         eps = self.mechanism.epsilons(self.delta, list(p.accountants))
         row.update({f"epsilon_{k}": (float("nan") if v is None else v) for k, v in eps.items()})
@@ -390,23 +425,26 @@ class DPFedAvgServer:
         row.update(agg.stats.as_metrics())
         row["clip_norm"] = clip_norm
         row["server_noise_std"] = agg.server_noise_std()
-        if row_unclipped is not None:
-            row["unclipped_fraction_released"] = row_unclipped
-        row["downlink_bytes_per_client"] = float(downlink)
-        row["uplink_bytes_per_client"] = sum(uplink) / len(uplink) if uplink else float("nan")
+        if unclipped is not None:
+            row["unclipped_fraction_released"] = unclipped
+        row["uplink_bytes_per_client"] = _mean(replies.uplink, float("nan"))
         if self.cfg.client.compression is not None:
-            row["residual_bytes_per_client"] = sum(residual_bytes) / len(residual_bytes) if residual_bytes else 0.0
-        if self.side_info:
-            row["side_information_bytes"] = float(side_info_bytes)
-        row["cohort_sampled"] = float(len(cohort))
-        row["cohort_dropped"] = float(dropped)
-        row["seconds"] = time.perf_counter() - t0
-        self.outputs.log_round(row)
-        if self.round % self.cfg.checkpoint_every == 0:
-            self.outputs.save_checkpoint(self.state_dict())
-        log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", self.round, len(cohort), p.budget_accountant,
-                 row[f"epsilon_{p.budget_accountant}"], row["seconds"],
-                 f", test accuracy {row['test_accuracy']:.4f}" if "test_accuracy" in row and row["test_accuracy"] == row["test_accuracy"] else "")
+            row["residual_bytes_per_client"] = _mean(replies.residual_bytes, 0.0)
+        return row
+
+
+def _mean(values: list[float], empty: float) -> float:
+    return sum(values) / len(values) if values else empty
+
+
+@dataclass
+class _Replies:
+    """What a round's replies told the server besides their updates (diagnostics, not private)."""
+
+    losses: list[float] = field(default_factory=list)
+    uplink: list[int] = field(default_factory=list)
+    residual_bytes: list[float] = field(default_factory=list)
+    dropped: int = 0
 
 
 def build_server_app(cfg: RunConfig | None = None, resume: bool = False) -> ServerApp:
