@@ -327,5 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def run_study_script(script: str, study_file: str) -> None:
+    """Body of a ``simulations/`` entry point: ``fedprivacy compare <repo>/configs/<study_file>`` with the
+    script's own command-line arguments (``--jobs``, ``--set``), then exit with its status."""
+    study = Path(script).resolve().parents[1] / "configs" / study_file
+    sys.exit(main(["compare", str(study), *sys.argv[1:]]))
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

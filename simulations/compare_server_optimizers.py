@@ -6,7 +6,7 @@ on a small server-lr grid); results and reading in docs/COMPARISON.md.
     python simulations/compare_server_optimizers.py [--jobs 2] [--set output_dir=runs/compare]
 """
 
-from fedprivacy.experiments import run_study_script
+from fedprivacy.cli import run_study_script
 
 if __name__ == "__main__":
     run_study_script(__file__, "compare_server_optimizers.yaml")

@@ -7,7 +7,7 @@ at one budget, 3 seeds: data, 33 runs, tables, figures and report.md in runs/stu
     python simulations/study_a_adadps_federated.py [--jobs 2] [--set seeds=[0]]
 """
 
-from fedprivacy.experiments import run_study_script
+from fedprivacy.cli import run_study_script
 
 if __name__ == "__main__":
     run_study_script(__file__, "study_a_adadps_federated.yaml")

@@ -6,7 +6,7 @@ what the papers report and what this shows: docs/STUDIES.md. Arguments go to ``f
     python simulations/study_b_reddi_tags.py --jobs 2
 """
 
-from fedprivacy.experiments import run_study_script
+from fedprivacy.cli import run_study_script
 
 if __name__ == "__main__":
     run_study_script(__file__, "study_b_reddi_tags.yaml")

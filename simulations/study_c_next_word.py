@@ -3,7 +3,7 @@
     python simulations/study_c_next_word.py [--set seeds=[0]]
 """
 
-from fedprivacy.experiments import run_study_script
+from fedprivacy.cli import run_study_script
 
 if __name__ == "__main__":
     run_study_script(__file__, "study_c_next_word.yaml")

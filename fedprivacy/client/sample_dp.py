@@ -24,7 +24,7 @@ from the server's user-level guarantee (ARCHITECTURE "Noise placements").
 StackOverflow tag model: Opacus cannot take CSR input, so each batch's clipped sum is computed
 exactly in closed form (ghost norms, :func:`softmax_regression_clipped_sum`) and enters the same
 optimizer at its noise stage. The ClientApp reports each round's releases in its reply metrics
-(:func:`event_metrics`); the server composes them per client.
+(:func:`fedprivacy.privacy.client_ledgers.event_metrics`); the server composes them per client.
 
 Delta. Each client's ε is at its own δ_i, which must be well below 1/n_i, n_i the client's
 privacy units (records; micro-batches of ``micro_batch_size``, and a client with fewer records than
@@ -505,30 +505,6 @@ def train_sample_dp_softmax(model: nn.Module, features: sp.csr_matrix, labels: n
     delta = client_delta(plan.event.population, target_delta, delta_factor)
     return SampleDPResult(update, counted_epsilon(plan.accountant, plan.event, delta), plan.steps, plan.event,
                           delta, sum(host_floats(losses)) / len(losses) if losses else math.nan, n)
-
-
-METRIC_PREFIX = "sample-dp-"
-
-
-def event_metrics(result: SampleDPResult) -> dict[str, float]:
-    """A client's reply metrics describing its round's releases: ``steps`` x ``GaussianRound(z, poisson, n, B)``.
-
-    ``population`` n and ``expected-batch`` B are in privacy units (``q = B / n``); ``delta`` is the
-    client's own δ and ``epsilon`` this participation's ε at it (diagnostic).
-    """
-    e = result.event
-    return {f"{METRIC_PREFIX}noise-multiplier": e.noise_multiplier, f"{METRIC_PREFIX}population": e.population,
-            f"{METRIC_PREFIX}expected-batch": e.expected_cohort, f"{METRIC_PREFIX}q": e.q,
-            f"{METRIC_PREFIX}steps": result.steps, f"{METRIC_PREFIX}delta": result.target_delta,
-            f"{METRIC_PREFIX}epsilon": result.epsilon}
-
-
-def event_from_metrics(metrics) -> tuple[GaussianRound, int, float]:
-    """Inverse of :func:`event_metrics`: ``(event, steps, delta)`` (raises KeyError/ValueError if malformed)."""
-    get = lambda name: metrics[f"{METRIC_PREFIX}{name}"]  # noqa: E731
-    event = GaussianRound(float(get("noise-multiplier")), "poisson", int(get("population")),
-                          float(get("expected-batch")))
-    return event, int(get("steps")), float(get("delta"))
 
 
 class ClientPrivacyAccountant:

@@ -10,22 +10,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fedprivacy.experiments.report import write_report
 from fedprivacy.experiments.study import StudyConfig, expand, load_study
 from fedprivacy.experiments.sweep import SweepResult, run_sweep
-
-
-def run_study_script(script: str, study_file: str) -> None:
-    """Body of a ``simulations/`` entry point: ``fedprivacy compare <repo>/configs/<study_file>`` with the
-    script's own command-line arguments (``--jobs``, ``--set``), then exit with its status."""
-    import sys
-
-    from fedprivacy.cli import main
-
-    study = Path(script).resolve().parents[1] / "configs" / study_file
-    sys.exit(main(["compare", str(study), *sys.argv[1:]]))
 
 
 def compare(study: StudyConfig, jobs: int | None = None, *, show_progress: bool | None = None,
@@ -35,5 +22,5 @@ def compare(study: StudyConfig, jobs: int | None = None, *, show_progress: bool 
     return result, (write_report(study.output_dir) if report else None)
 
 
-__all__ = ["StudyConfig", "SweepResult", "compare", "expand", "load_study", "run_study_script", "run_sweep",
+__all__ = ["StudyConfig", "SweepResult", "compare", "expand", "load_study", "run_sweep",
            "write_report"]

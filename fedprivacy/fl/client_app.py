@@ -11,7 +11,7 @@ Message contract (``message_type``):
   "num-examples"}}``.
   With ``client.sample_dp`` the client trains with record-level DP
   (:func:`~fedprivacy.client.sample_dp.train_sample_dp_softmax`, a dense delta) and adds its
-  round's releases to the metrics (:func:`~fedprivacy.client.sample_dp.event_metrics`: noise
+  round's releases to the metrics (:func:`~fedprivacy.privacy.client_ledgers.event_metrics`: noise
   multiplier, q_i, steps, n_i in units, its delta) for the server's per-client ledger.
   With ``client.adadps`` the config names ``"adadps-version"`` and, the first time, the content
   carries ``"adadps"``: the public ``A`` the node keeps in its ``Context.state`` and divides every
@@ -147,7 +147,8 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         s = c.client.sample_dp
         extra_metrics = {}  # record-level privacy events, compression diagnostics
         if s is not None:  # record-level DP; the config excludes DiSK's lookahead
-            from fedprivacy.client.sample_dp import event_metrics, train_sample_dp_softmax  # Opacus, on demand
+            from fedprivacy.client.sample_dp import train_sample_dp_softmax  # Opacus, on demand
+            from fedprivacy.privacy.client_ledgers import event_metrics
 
             seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition, *epoch])
             result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,

@@ -30,7 +30,6 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from fedprivacy.client.sample_dp import event_from_metrics
 from fedprivacy.config import MicroAdamConfig, RunConfig
 from fedprivacy.fl.records import record_nbytes, record_to_update, vector_to_record
 from fedprivacy.fl.run_config import config_from_context
@@ -42,7 +41,7 @@ from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
-from fedprivacy.privacy.client_ledgers import ClientLedgers
+from fedprivacy.privacy.client_ledgers import ClientLedgers, event_from_metrics
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
 from fedprivacy.privacy.placement import local_upload_event
 from fedprivacy.privacy.release_log import ReleaseLog

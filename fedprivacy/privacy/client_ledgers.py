@@ -36,6 +36,51 @@ from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, Privacy
 log = logging.getLogger(__name__)
 
 
+METRIC_PREFIX = "sample-dp-"
+MAX_STEPS_PER_ROUND = 10**6
+"""More local DP steps than this in one round is not a real client's report (and would stall the PLD)."""
+
+
+def event_metrics(result: Any) -> dict[str, float]:
+    """A sample-level DP client's reply metrics describing its round's releases: ``result.steps`` x
+    ``result.event`` = ``GaussianRound(z, poisson, n, B)``, at the client's own ``result.target_delta``.
+
+    ``population`` n and ``expected-batch`` B are in privacy units (``q = B / n``); ``epsilon`` is this
+    participation's epsilon (diagnostic).
+    """
+    e = result.event
+    return {f"{METRIC_PREFIX}noise-multiplier": e.noise_multiplier, f"{METRIC_PREFIX}population": e.population,
+            f"{METRIC_PREFIX}expected-batch": e.expected_cohort, f"{METRIC_PREFIX}q": e.q,
+            f"{METRIC_PREFIX}steps": result.steps, f"{METRIC_PREFIX}delta": result.target_delta,
+            f"{METRIC_PREFIX}epsilon": result.epsilon}
+
+
+def event_from_metrics(metrics: Any) -> tuple[GaussianRound, int, float]:
+    """Inverse of :func:`event_metrics`, for untrusted replies: ``(event, steps, delta)``.
+
+    Raises:
+        ValueError: a field is missing, of the wrong type, non-finite or out of range (``steps`` an
+            integer in ``[1, MAX_STEPS_PER_ROUND]``, ``delta`` in ``(0, 1)``, the event's own checks).
+    """
+    try:
+        values = {name: metrics[f"{METRIC_PREFIX}{name}"]
+                  for name in ("noise-multiplier", "population", "expected-batch", "steps", "delta")}
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"missing {err}") from None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()):
+        raise ValueError(f"non-numeric event fields {values}")
+    steps, delta, population = values["steps"], float(values["delta"]), values["population"]
+    if not (float(steps).is_integer() and 1 <= steps <= MAX_STEPS_PER_ROUND):
+        raise ValueError(f"steps must be an integer in [1, {MAX_STEPS_PER_ROUND}], got {steps}")
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if not (float(population).is_integer() and population >= 1):
+        raise ValueError(f"population must be a positive integer, got {population}")
+    event = GaussianRound(float(values["noise-multiplier"]), "poisson", int(population),
+                          float(values["expected-batch"]))
+    return event, int(steps), delta
+
+
 class ClientLedgers:
     """``partition id -> PrivacyLedger`` of the client-side releases of each client (and its own delta, if any)."""
 

@@ -192,3 +192,23 @@ def test_an_honest_update_round_trips_exactly():
     update = SparseUpdate(torch.tensor([1, 4]), torch.tensor([0.5, -2.0]), 6)
     decoded = record_to_update(update_to_record(update), 6)
     assert torch.equal(decoded.indices, update.indices) and torch.equal(decoded.values, update.values)
+
+
+# -- a sample-level DP client's reported event: lies in metadata ---------------------------------------
+_VALUES = st.one_of(st.integers(-5, 10**7), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                    st.text(max_size=3), st.none(), st.lists(st.floats(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(["noise-multiplier", "population", "expected-batch", "steps", "delta",
+                                               "q", "epsilon"]), _VALUES))
+def test_any_reported_sample_dp_event_parses_to_a_valid_event_or_a_value_error(fields):
+    from fedprivacy.privacy.client_ledgers import ClientLedgers, event_from_metrics
+
+    metrics = {f"sample-dp-{k}": v for k, v in fields.items()}
+    try:
+        event, steps, delta = event_from_metrics(metrics)
+    except ValueError:
+        return
+    assert 1 <= steps <= 10**6 and 0 < delta < 1 and event.noise_multiplier >= 0
+    ClientLedgers().compose(0, event, steps, delta=delta)  # whatever parses, the ledger accepts

@@ -11,11 +11,11 @@ import torch
 from opacus.accountants import RDPAccountant
 from torch import nn
 
-from fedprivacy.client.sample_dp import (event_from_metrics, event_metrics, softmax_regression_clipped_sum,
-                                         train_sample_dp_softmax)
+from fedprivacy.client.sample_dp import softmax_regression_clipped_sum, train_sample_dp_softmax
 from fedprivacy.config import ConfigError
 from fedprivacy.fl.client_app import sample_dp_config
 from fedprivacy.optim.sample_dp import SampleDPConfig
+from fedprivacy.privacy.client_ledgers import event_from_metrics, event_metrics
 from fedprivacy.privacy.accounting import GaussianRound
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.run import run
