@@ -1,7 +1,7 @@
 """AdaDPS side information over Flower messages: built by the server, sent to each node ONCE.
 
 Server (:class:`SideInformationBroadcast`): builds the public ``A``
-(:func:`~fedprivacy.optim.adadps.build_side_information`) before round 1 at the initial model and,
+(:func:`build_side_information`, from the builders of :mod:`fedprivacy.optim.adadps`) before round 1 at the initial model and,
 for ``rmsprop`` with ``refresh_every``, again at the released model every that many rounds. Each
 build is a version (the number of completed rounds it was estimated at). Every ``train`` message
 carries ``config["adadps-version"]``; only a node not known to hold that version also gets
@@ -18,19 +18,79 @@ dropout (zero update) and answers by sending ``A`` again the next time that node
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import scipy.sparse as sp
+
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from torch import nn
 
-from fedprivacy.config import RunConfig
+from fedprivacy.config import AdaDPSConfig, RunConfig
+from fedprivacy.data.sources import file_identity
+from fedprivacy.data.stackoverflow import read_word_counts
 from fedprivacy.fl.records import record_nbytes, record_to_tensors, tensors_to_record
-from fedprivacy.optim.adadps import SideInformation, build_side_information
+from fedprivacy.optim.adadps import (ADADPS_STREAM, SideInformation, by_frequency, inverse_tfidf, public_batches,
+                                     rmsprop_preconditioner, second_moments, two_level)
 from fedprivacy.task import WORD_COUNT
 
 log = logging.getLogger(__name__)
 
 RECORD, VERSION = "adadps", "adadps-version"
+
+
+def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int, word_count_path: Path | None,
+                           public: tuple[sp.csr_matrix, Any] | None, model: nn.Module,
+                           loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], seed: int,
+                           released_round: int) -> SideInformation:
+    """``A`` for ``cfg.source`` from public inputs only (see the module docstring), scaled by ``cfg.scale``.
+
+    Args:
+        cfg: the ``client.adadps`` section.
+        vocab_size: V (word ``j`` is vocabulary index ``j``, most frequent first).
+        word_count_path: TFF's ``stackoverflow.word_count`` (``frequency`` with ``statistics: word_count``).
+        public: the public pool's ``(features, targets)`` (held-out users), or None.
+        model: the RELEASED model ``x_t`` (``rmsprop``); its weights are not changed.
+        loss_fn: the task's batch-mean loss (``rmsprop``).
+        seed: the run seed (the public batches' order).
+        released_round: t of ``x_t`` (0: the initial model), recorded in the provenance.
+    """
+    provenance: dict[str, Any] = {
+        "method": "AdaDPS side information (Li et al. 2022, arXiv:2202.05963v2, Alg. 3)",
+        "source": cfg.source, "settings": cfg.model_dump(mode="json"), "public": True,
+        "released_round": released_round}
+
+    def pool() -> tuple[sp.csr_matrix, Any]:
+        if public is None or public[0].shape[0] == 0:
+            raise ValueError(f"client.adadps.source={cfg.source!r} needs a non-empty public pool (data.public_clients)")
+        provenance["public_pool"] = {"split": "heldout", "posts": int(public[0].shape[0])}
+        return public
+
+    if cfg.source == "ones":
+        tensors = {"embedding.weight": torch.ones(vocab_size, 1)}
+    elif cfg.source == "top_words":
+        tensors = {"embedding.weight": two_level(vocab_size, cfg.top_words, cfg.multiplier)}
+    elif cfg.source == "frequency":
+        if cfg.statistics == "word_count":
+            counts = np.fromiter(read_word_counts(word_count_path, vocab_size).values(), dtype=np.float64)
+            counts = np.pad(counts, (0, vocab_size - len(counts)))  # words the file lacks count 0
+            provenance["word_count_file"] = file_identity(word_count_path)
+        else:
+            counts = np.bincount(pool()[0].indices, minlength=vocab_size).astype(np.float64)  # posts per word
+        tensors = {"embedding.weight": by_frequency(counts, cfg.cap)}
+    elif cfg.source == "tfidf":
+        tensors = {"embedding.weight": inverse_tfidf(pool()[0], cfg.cap)}
+    else:
+        features, targets = pool()
+        batches = public_batches(features, targets, cfg.public_batch_size,
+                                 np.random.default_rng(np.random.SeedSequence([seed, ADADPS_STREAM, released_round])))
+        v = second_moments(model, batches, loss_fn, estimator=cfg.estimator, beta=cfg.beta)
+        tensors = {name: rmsprop_preconditioner(moment, cfg.eps, cfg.eps_inside_sqrt).detach().cpu()
+                   for name, moment in v.items() if name != "bias" or cfg.precondition_bias}
+    return SideInformation({name: cfg.scale * t for name, t in tensors.items()}, provenance)
 
 
 class SideInformationBroadcast:

@@ -41,19 +41,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import nn
-
-from fedprivacy.data.sources import file_identity
-from fedprivacy.data.stackoverflow import read_word_counts
-
-if TYPE_CHECKING:
-    from fedprivacy.config import AdaDPSConfig
 
 ADADPS_STREAM = 0x616461647073  # "adadps": the public batches' order, disjoint from other seeded streams
 
@@ -153,54 +146,3 @@ def public_batches(features: sp.csr_matrix, targets: Any, batch_size: int,
     for lo in range(0, len(order), batch_size):
         idx = np.sort(order[lo:lo + batch_size])
         yield features[idx], targets[idx]
-
-
-def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int, word_count_path: Path | None,
-                           public: tuple[sp.csr_matrix, Any] | None, model: nn.Module,
-                           loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], seed: int,
-                           released_round: int) -> SideInformation:
-    """``A`` for ``cfg.source`` from public inputs only (see the module docstring), scaled by ``cfg.scale``.
-
-    Args:
-        cfg: the ``client.adadps`` section.
-        vocab_size: V (word ``j`` is vocabulary index ``j``, most frequent first).
-        word_count_path: TFF's ``stackoverflow.word_count`` (``frequency`` with ``statistics: word_count``).
-        public: the public pool's ``(features, targets)`` (held-out users), or None.
-        model: the RELEASED model ``x_t`` (``rmsprop``); its weights are not changed.
-        loss_fn: the task's batch-mean loss (``rmsprop``).
-        seed: the run seed (the public batches' order).
-        released_round: t of ``x_t`` (0: the initial model), recorded in the provenance.
-    """
-    provenance: dict[str, Any] = {
-        "method": "AdaDPS side information (Li et al. 2022, arXiv:2202.05963v2, Alg. 3)",
-        "source": cfg.source, "settings": cfg.model_dump(mode="json"), "public": True,
-        "released_round": released_round}
-
-    def pool() -> tuple[sp.csr_matrix, Any]:
-        if public is None or public[0].shape[0] == 0:
-            raise ValueError(f"client.adadps.source={cfg.source!r} needs a non-empty public pool (data.public_clients)")
-        provenance["public_pool"] = {"split": "heldout", "posts": int(public[0].shape[0])}
-        return public
-
-    if cfg.source == "ones":
-        tensors = {"embedding.weight": torch.ones(vocab_size, 1)}
-    elif cfg.source == "top_words":
-        tensors = {"embedding.weight": two_level(vocab_size, cfg.top_words, cfg.multiplier)}
-    elif cfg.source == "frequency":
-        if cfg.statistics == "word_count":
-            counts = np.fromiter(read_word_counts(word_count_path, vocab_size).values(), dtype=np.float64)
-            counts = np.pad(counts, (0, vocab_size - len(counts)))  # words the file lacks count 0
-            provenance["word_count_file"] = file_identity(word_count_path)
-        else:
-            counts = np.bincount(pool()[0].indices, minlength=vocab_size).astype(np.float64)  # posts per word
-        tensors = {"embedding.weight": by_frequency(counts, cfg.cap)}
-    elif cfg.source == "tfidf":
-        tensors = {"embedding.weight": inverse_tfidf(pool()[0], cfg.cap)}
-    else:
-        features, targets = pool()
-        batches = public_batches(features, targets, cfg.public_batch_size,
-                                 np.random.default_rng(np.random.SeedSequence([seed, ADADPS_STREAM, released_round])))
-        v = second_moments(model, batches, loss_fn, estimator=cfg.estimator, beta=cfg.beta)
-        tensors = {name: rmsprop_preconditioner(moment, cfg.eps, cfg.eps_inside_sqrt).detach().cpu()
-                   for name, moment in v.items() if name != "bias" or cfg.precondition_bias}
-    return SideInformation({name: cfg.scale * t for name, t in tensors.items()}, provenance)

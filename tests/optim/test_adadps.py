@@ -11,10 +11,10 @@ import torch
 
 from fedprivacy.client.trainer import client_generator, local_sgd, softmax_cross_entropy
 from fedprivacy.config import AdaDPSConfig
-from fedprivacy.fl.side_information import SideInformationBroadcast
+from fedprivacy.fl.side_information import SideInformationBroadcast, build_side_information
 from fedprivacy.models.logistic import SparseLogisticRegression
-from fedprivacy.optim.adadps import (build_side_information, by_frequency, inverse_tfidf, public_batches,
-                                     rmsprop_preconditioner, second_moments, two_level)
+from fedprivacy.optim.adadps import (by_frequency, inverse_tfidf, public_batches, rmsprop_preconditioner,
+                                     second_moments, two_level)
 from fedprivacy.task import WORD_COUNT, load_task
 
 V, K = 12, 4
