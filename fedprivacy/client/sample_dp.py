@@ -225,14 +225,17 @@ def _plan(params: list[nn.Parameter], dataset: Dataset, cfg: SampleDPConfig, see
     cfg = replace(cfg, batch_size=q * n_units * k, micro_batch_size=k)
     steps = max(1, round(epochs / q)) if steps is None else steps
     device = params[0].device  # the noise is drawn where the gradients are
+    # secure: the noise AND the Poisson record sampling are secret (amplification assumes a secret batch)
     noise_gen = (torch.Generator(device=device).manual_seed(secrets.randbits(63)) if secure_noise
                  else _torch_generator(noise_seq, device))
+    sampling_gen = (torch.Generator().manual_seed(secrets.randbits(63)) if secure_noise
+                    else _torch_generator(sampling_seq))
     optimizer = make_sample_dp_optimizer(params, cfg, generator=noise_gen, preconditioner=preconditioner,
                                          seed=int(rounding_seq.generate_state(1)[0]))
     acct = make_accountant(accountant)
     optimizer.attach_step_hook(acct.get_optimizer_hook_fn(sample_rate=q))
     event = GaussianRound(cfg.noise_multiplier, "poisson", n_units, q * n_units)
-    return _Plan(cfg, units, q, steps, optimizer, acct, event, _torch_generator(sampling_seq))
+    return _Plan(cfg, units, q, steps, optimizer, acct, event, sampling_gen)
 
 
 def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed: np.random.SeedSequence | int, *,
@@ -253,7 +256,7 @@ def run_sample_dp(model: nn.Module, dataset: Dataset, cfg: SampleDPConfig, seed:
         loss_fn: per-record loss (``reduction="none"``).
         preconditioner: AdaDPS ``A`` (public), one tensor per trainable parameter.
         accountant: ``"rdp"`` or ``"prv"`` (Opacus), fed by the optimizer's step hook.
-        secure_noise: seed the noise generator from the OS's cryptographic source.
+        secure_noise: seed the noise generator and the record sampling from the OS's cryptographic source.
         on_step: called as ``on_step(t, optimizer)`` after step ``t`` (1-based), e.g. to evaluate;
             ``p.grad`` then holds the gradient the base optimizer used (DiSK: the filtered one).
 

@@ -176,3 +176,14 @@ def test_adambc_under_disk_subtracts_the_filtered_noise_variance():
     excess = (inner.v / correction - clean**2).mean()
     assert inner.phi_ema / correction < 0.75 * cfg.phi  # well below Phi: subtracting Phi would over-correct
     assert excess / (inner.phi_ema / correction) == pytest.approx(1.0, abs=0.1)
+
+
+def test_secure_noise_also_makes_the_record_sampling_secret():
+    """Amplification by sampling assumes the server cannot know which records a step used: with
+    ``secure_noise`` the Poisson batches (not only the noise) come from the OS, so two runs from the same
+    seed differ even without noise; seeded runs are reproducible."""
+    cfg = dataclasses.replace(BASE, noise_multiplier=0.0)
+    seeded = [_train(cfg)[0] for _ in range(2)]
+    secure = [_train(cfg, secure_noise=True)[0] for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1])
+    assert not torch.equal(secure[0], secure[1])
