@@ -1,11 +1,12 @@
-"""DP-FedAvg on the issue-"Speed" workload as a bare PyTorch loop: no Flower, no fedprivacy objects.
+"""DP-FedAvg on the issue-"Speed" workload as a bare PyTorch loop: no Flower, no fedprivacy objects
+(only its two clipping functions, pure torch math: the exact clip every engine must apply).
 
 The practical limit for the in-process engine on this machine: the same math with nothing around
 it. Per round: draw a cohort of ``m`` users without replacement; per user, run local SGD with the
 closed-form softmax cross-entropy gradient on the same batches (data order from the same
 per-(seed, round, user) generator as fedprivacy's trainer), accumulating the delta on the weight
 rows of its words and the bias (the only parameters its loss reads or changes; the model is only
-read, at the batch's words), clip the delta to L2 norm ``C`` and add it into the sum;
+read, at the batch's words), clip the delta to L2 norm ``C`` (on the rigorous norm bound) and add it into the sum;
 then ONE dense Gaussian draw of std ``zC`` over all 5,000,500 coordinates, divide by ``m`` and take
 a server SGD step. Parameters are one ``(1 + V, K)`` matrix: row 0 the bias, row ``1 + w`` the
 weights of word ``w`` (fedprivacy's flat order). Data: CSR arrays (``indptr``, ``indices``,
@@ -23,6 +24,8 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from fedprivacy.privacy.clipping import clip_scale, l2_norm_bound  # pure torch: the clip every engine must apply
 
 CLIENT_STREAM = 0x636C69656E74  # the trainer's data-order stream, so both loops see the same batches
 
@@ -82,8 +85,7 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                     delta[0] -= client_lr * g_logits.sum(0)
                     weight = delta[1:]
                     torch.addmm(weight, xt, g_logits, alpha=-client_lr, out=weight)  # in place, no (r, K) temporary
-            norm = float(torch.linalg.vector_norm(delta))
-            total.index_add_(0, rows, delta, alpha=min(1.0, clip / norm) if norm > 0 else 1.0)
+            total.index_add_(0, rows, delta, alpha=clip_scale(l2_norm_bound(delta), clip))  # the same exact clip
         total.add_(torch.empty_like(total).normal_(0.0, z * clip, generator=noise_gen))
         params.add_(total, alpha=server_lr / cohort)
         seconds.append(time.perf_counter() - t0)
