@@ -156,6 +156,25 @@ class _RealisedDivisorMechanism(GaussianMechanism):
         return super().privatize(agg)
 
 
+class _DoubleClipHalfNoise(GaussianMechanism):
+    """BROKEN on purpose: clips at 2C but draws the noise of z/2 at 2C, i.e. std zC: the std the
+    claim expects, for twice the sensitivity."""
+
+    def aggregator(self, dim: int) -> PrivateSum:
+        agg = super().aggregator(dim)
+        agg.clip_norm *= 2
+        agg.noise_multiplier /= 2
+        return agg
+
+
+class _NoiseOverCohort(GaussianMechanism):
+    """BROKEN on purpose: the noise is divided by m twice (std zC/m on the SUM, a units mix-up)."""
+
+    def privatize(self, agg: PrivateSum) -> torch.Tensor:
+        agg.noise_multiplier /= agg.expected_cohort
+        return super().privatize(agg)
+
+
 class _SumThenClip(PrivateSum):
     """Sums the updates unclipped and clips the SUM to C before the noise."""
 
@@ -201,7 +220,8 @@ class _NoiseAfterOptimizer(DPFedAvgServer):
 BROKEN_VARIANTS: dict[str, type[DPFedAvgServer]] = {
     "noise_off": _broken(_NoNoise), "noise_halved": _broken(_HalfNoise),
     "realised_divisor": _broken(_RealisedDivisorMechanism), "clip_after_sum": _broken(_ClipAfterSumMechanism),
-    "noise_after_optimizer": _NoiseAfterOptimizer,
+    "noise_after_optimizer": _NoiseAfterOptimizer, "double_clip_half_noise": _broken(_DoubleClipHalfNoise),
+    "noise_over_cohort": _broken(_NoiseOverCohort),
 }
 
 

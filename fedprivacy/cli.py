@@ -18,7 +18,8 @@ from pathlib import Path
 from fedprivacy.config import ConfigError, RunConfig, build_config, load_config
 
 # fedprivacy.audit.BROKEN_VARIANTS, kept import-free
-BROKEN_VARIANT_NAMES = ("noise_off", "noise_halved", "realised_divisor", "clip_after_sum", "noise_after_optimizer")
+BROKEN_VARIANT_NAMES = ("noise_off", "noise_halved", "realised_divisor", "clip_after_sum", "noise_after_optimizer",
+                        "double_clip_half_noise", "noise_over_cohort")
 
 EXIT_USAGE = 2
 EXIT_AUDIT_FAILED = 1

@@ -110,6 +110,8 @@ def test_audit_passes_on_the_real_server(overrides):
     ("realised_divisor", [], TRIALS),
     ("clip_after_sum", [], TRIALS),
     ("noise_after_optimizer", ADAM, 50),
+    ("double_clip_half_noise", [], TRIALS),
+    ("noise_over_cohort", [], 50),
 ])
 def test_audit_fails_every_broken_server(variant, overrides, trials):
     report = run_audit(_cfg(*overrides), trials=trials, variant=variant)
