@@ -1,4 +1,4 @@
-"""Synthetic StackOverflow data in TensorFlow Federated's on-disk format.
+"""Synthetic StackOverflow data in TensorFlow Federated's on-disk format, shaped like TFF's.
 
 :func:`generate` writes the three files TFF ships for StackOverflow, with the
 same layouts, so every reader works unchanged on real and synthetic data:
@@ -12,32 +12,47 @@ same layouts, so every reader works unchanged on real and synthetic data:
 
 With ``format="tff-h5"`` the examples go instead to TFF's legacy HDF5 files
 ``stackoverflow_{train,held_out,test}.h5`` (``/examples/<client_id>/<feature>``,
-see :mod:`fedprivacy.data.hdf5`); same seed, same posts in both formats.
+see :mod:`fedprivacy.data.hdf5`); same seed, same examples in both formats.
 
-Counts are occurrences in the train split (words: in ``tokens``; tags: posts
+Counts are occurrences in the train split (words: in ``tokens``; tags: examples
 carrying the tag). TFF's real files count unique users instead; only the
 resulting frequency order matters to the preprocessing.
 
-The population mimics the real split rules: user ids ``0, 1, 2, ...`` are
-zero-padded strings; users with ``id % 10 == 0`` are held out (all their posts
-go to ``heldout``, about ``num_clients / 9`` users); the other ``num_clients``
-users post before 2018 (``train``) and about 60% of them also post in 2018
-(``test``). Examples per user are lognormal (median about 20, capped), word
-frequencies are Zipf-like over a 20,000-word vocabulary with stop-words at the
-top, and tags are Zipf-like over 1,000 tags with real names at the top. Each
-tag owns a set of fairly frequent topical words (ranks 30-3,000, like "python",
-"def", "self" on the real site) that are boosted in its posts, and each user has a few favourite tags, so tag prediction from the bag of
-words is learnable and the data is non-IID.
+The data follow TFF's published shape (docs/DATA.md compares the statistics):
+
+* **Users.** Ids ``0, 1, 2, ...`` are zero-padded strings; users with ``id % 10 ==
+  0`` are held out (all their examples, from every year, go to ``heldout``; about
+  ``num_clients / 9`` users); the other ``num_clients`` users write before 2018
+  (``train``) and about 60% of them (TFF: 204,088 of 342,477) also in 2018
+  (``test``, about a fifth of their train count). Train examples per user are
+  ``min_examples`` plus a lognormal excess (a heavy tail), capped at
+  ``max_examples``, with mean ``mean_examples``: by default at least 100 (TFF
+  drops users with fewer than 100 sentences) and 397 on average (TFF: 135,818,730
+  train examples over 342,477 users).
+* **Examples are sentences.** A post (question or answer) has a few sentences;
+  each is one example whose ``tokens`` is the sentence and whose ``title``,
+  ``tags``, ``creation_date``, ``score`` and ``type`` are the post's.
+* **Words.** A Zipf-like background over a 50,000-word vocabulary, stop-words
+  at the top, with about a tenth of the tokens outside the 10,000 most frequent
+  words. Label information rises into the tail: each tag belongs to one of 40
+  areas whose generic words (frequency ranks 30-1,000, like "function" or
+  "array") are shared by all its tags, and each tag owns a dozen "API names"
+  (background ranks 1,000-30,000, like "numpy" or "viewcontroller"), two of them shared with
+  one other tag of its area, that occur almost only in its posts.
+* **Tags.** 1 to 5 per post (Stack Overflow's rule), Zipf-like over 1,000 tags
+  with real names at the top; each user has a few favourite tags (non-IID users).
 
 Generation streams user by user (each user has its own generator seeded from
 ``(seed, user id)``) and writes rows in batched transactions, so memory stays
-flat at the real scale (342,477 train users). Same seed, same bytes.
+flat at the real scale (342,477 train users; see docs/DATA.md for its time and
+disk). Same seed and arguments, same bytes.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sqlite3
 from dataclasses import dataclass
@@ -45,16 +60,23 @@ from pathlib import Path
 
 import numpy as np
 
-from fedprivacy.data.example_proto import encode_example
 from fedprivacy.data.hdf5 import SPLIT_FILES, H5Writer
 
-__all__ = ["SyntheticFiles", "generate", "SYNTHETIC_MARKER"]
+__all__ = ["SyntheticFiles", "generate", "SYNTHETIC_MARKER", "TFF_MIN_EXAMPLES",
+           "TFF_MEAN_EXAMPLES"]
 
 SQLITE_NAME = "stackoverflow.sqlite"
 WORD_COUNT_NAME = "stackoverflow.word_count"
 TAG_COUNT_NAME = "stackoverflow.tag_count"
 SYNTHETIC_MARKER = "synthetic.json"
 """Written beside the generated files: the generator's arguments (tells synthetic data from real)."""
+
+TFF_MIN_EXAMPLES = 100
+"""TFF keeps only users with at least 100 sentences."""
+TFF_MEAN_EXAMPLES = 397
+"""TFF's train split: 135,818,730 examples over 342,477 users (396.6 per user)."""
+DEFAULT_MAX_EXAMPLES = 20_000
+"""Default cap on a user's train examples (the default tail passes it about once per 20,000 users)."""
 
 _STOP_WORDS = (
     "the . , to i a is and in of it you that this for ) ( have with be on not can if but "
@@ -79,21 +101,28 @@ _CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "x", "nd", "ng", "rk", "st")
 _TAG_SUFFIXES = ("", "", "", "", "-api", ".js", "-2", "-cli", "-sdk", "-orm", "db", "-ui",
                  "-core", "-3")
 
-VOCAB_SIZE = 20_000
+VOCAB_SIZE = 50_000
 NUM_TAGS = 1_000
-_WORD_ZIPF = (2.7, 1.07)      # p(rank r) ∝ (r + 2.7)^-1.07, r = 1, 2, ...
+_WORD_ZIPF = (2.7, 1.07)      # background p(rank r) ∝ (r + 2.7)^-1.07, r = 1, 2, ...
 _TAG_ZIPF = (3.0, 1.0)
-_TOPIC_RANKS = (30, 3_000)    # topical words come from these frequency ranks (inside the 10k vocabulary)
-_TOPIC_WORDS = 20             # topical words per tag
-_TOPIC_SHARE = (0.3, 0.5)     # share of topical words in (tokens, title)
+_AREAS = 40                   # tags fall into areas; an area's generic words are shared by its tags
+_AREA_RANKS = (30, 1_000)     # generic topical words come from these background ranks
+_AREA_WORDS = 50
+_API_RANKS = (1_000, 30_000)  # API names: log-uniform over these background ranks
+_API_WORDS = 12               # per tag; the last _API_SHARED are another tag's (same area)
+_API_SHARED = 2
+_TOPIC_SHARE = {"tokens": (0.08, 0.15), "title": (0.15, 0.30)}  # (area, API) share of words
 _TAGS_PER_POST = np.array([0.15, 0.40, 0.68, 0.87, 1.0])  # CDF of 1..5 tags per post
-_EXAMPLES_MEDIAN, _EXAMPLES_SIGMA, _EXAMPLES_CAP = 20.0, 1.25, 2_000
-_TOKENS_MEDIAN, _TOKENS_SIGMA, _TOKENS_CAP = 30.0, 0.8, 600
-_TEST_USER_SHARE = 0.6
+_EXCESS_SIGMA = 1.3           # lognormal sigma of a user's examples beyond min_examples
+_SENTENCES_PER_POST = 4.0     # 1 + Poisson(4) sentences per post
+_TOKENS_MEDIAN, _TOKENS_SIGMA, _TOKENS_CAP = 11.0, 0.6, 120   # tokens per sentence
+_TEST_USER_SHARE = 204_088 / 342_477
+_TEST_SHARE_BETA = (2.0, 8.0)  # a test user's 2018 examples: about a fifth of their train count
 _DATES = {name: int(np.datetime64(day, "s").astype(np.int64)) for name, day in
           [("start", "2008-08-01"), ("last_start", "2017-09-01"), ("test", "2018-01-01"),
            ("end", "2019-01-01")]}
-_BATCH_ROWS = 20_000
+_BATCH_ROWS = 50_000
+_FEATURES = ("creation_date", "score", "tags", "title", "tokens", "type")
 
 _SCHEMA = (
     "CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT NULL, "
@@ -131,8 +160,52 @@ class _World:
     title_cdf: np.ndarray    # same without punctuation, for titles
     tags: np.ndarray         # object array of tag names, by popularity rank
     tag_cdf: np.ndarray
-    tag_words: np.ndarray    # int (NUM_TAGS, _TOPIC_WORDS): each tag's topical words
-    topic_cdf: np.ndarray    # distribution over a tag's topical words
+    area_words: np.ndarray   # int (NUM_TAGS, _AREA_WORDS): the generic words of each tag's area
+    area_cdf: np.ndarray
+    api_words: np.ndarray    # int (NUM_TAGS, _API_WORDS): each tag's API names
+    api_cdf: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Distribution of a user's number of train examples."""
+
+    minimum: int
+    mean: float
+    maximum: int
+    mu: float                # lognormal location of the excess over ``minimum``
+
+    def draw(self, rng: np.random.Generator) -> int:
+        if self.mean >= self.maximum:
+            return self.maximum
+        if self.mean <= self.minimum:
+            return self.minimum
+        excess = rng.lognormal(self.mu, _EXCESS_SIGMA)
+        return int(min(self.minimum + np.rint(excess), self.maximum))
+
+
+def _capped_lognormal_mean(mu: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap)] for X lognormal(mu, sigma)."""
+    phi = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))  # noqa: E731
+    log_cap = math.log(cap)
+    return (math.exp(mu + sigma ** 2 / 2) * phi((log_cap - mu - sigma ** 2) / sigma)
+            + cap * (1.0 - phi((log_cap - mu) / sigma)))
+
+
+def _sizes(min_examples: int, mean_examples: float, max_examples: int) -> _Sizes:
+    """Validates the size arguments and solves for the lognormal location."""
+    if not 1 <= min_examples <= mean_examples <= max_examples:
+        raise ValueError("need 1 <= min_examples <= mean_examples <= max_examples, got "
+                         f"{min_examples}, {mean_examples}, {max_examples}")
+    if mean_examples >= max_examples or mean_examples <= min_examples:
+        return _Sizes(min_examples, mean_examples, max_examples, 0.0)
+    target, cap = mean_examples - min_examples, max_examples - min_examples
+    lo, hi = -20.0, math.log(cap) + 20.0
+    for _ in range(200):          # the capped mean increases with mu
+        mid = (lo + hi) / 2
+        below = _capped_lognormal_mean(mid, _EXCESS_SIGMA, cap) < target
+        lo, hi = (mid, hi) if below else (lo, mid)
+    return _Sizes(min_examples, mean_examples, max_examples, (lo + hi) / 2)
 
 
 def _zipf_cdf(n: int, offset: float, exponent: float) -> np.ndarray:
@@ -186,56 +259,161 @@ def _names() -> tuple[np.ndarray, np.ndarray]:
     return words, np.array(tags, dtype=object)
 
 
+@functools.cache
 def _world(seed: int) -> _World:
     """Builds the seed-dependent topic structure."""
     words, tags = _names()
     rng = np.random.default_rng([seed, 0])
-    lo, hi = _TOPIC_RANKS
-    tag_words = np.stack([lo + rng.choice(hi - lo, _TOPIC_WORDS, replace=False)
-                          for _ in range(NUM_TAGS)])
+    # Areas: each tag's generic words, shared with every tag of its area.
+    lo, hi = _AREA_RANKS
+    area_of_tag = rng.integers(_AREAS, size=NUM_TAGS)
+    area_words = np.stack([lo + rng.choice(hi - lo, _AREA_WORDS, replace=False)
+                           for _ in range(_AREAS)])[area_of_tag]
+    # API names: distinct background ranks, log-uniform over _API_RANKS (past the area
+    # words' ranks: API names are rarer than generic words); the last _API_SHARED of a
+    # tag's are those of another tag of its area (or of the next tag, for an area of one
+    # tag), so they are tied to two tags.
+    own = _API_WORDS - _API_SHARED
+    lo, hi = np.log(_API_RANKS[0]), np.log(_API_RANKS[1])
+    chosen: dict[int, None] = {}
+    while len(chosen) < NUM_TAGS * own:
+        draws = np.exp(rng.uniform(lo, hi, 2 * NUM_TAGS * own)).astype(np.int64)
+        chosen.update(dict.fromkeys(draws.tolist()))
+    api = np.array(list(chosen)[:NUM_TAGS * own], dtype=np.int64).reshape(NUM_TAGS, own)
+    partner = np.empty(NUM_TAGS, dtype=np.int64)
+    for tag in range(NUM_TAGS):
+        mates = np.flatnonzero(area_of_tag == area_of_tag[tag])
+        mates = mates[mates != tag]
+        partner[tag] = rng.choice(mates) if len(mates) else (tag + 1) % NUM_TAGS
+    api_words = np.concatenate([api, api[partner, :_API_SHARED]], axis=1)
+
     weights = (np.arange(1, VOCAB_SIZE + 1) + _WORD_ZIPF[0]) ** -_WORD_ZIPF[1]
     weights[[i for i, w in enumerate(words[:len(_STOP_WORDS)]) if not w[0].isalpha()]] = 0.0
     title_cdf = np.cumsum(weights)
     return _World(words=words, word_cdf=_zipf_cdf(VOCAB_SIZE, *_WORD_ZIPF),
                   title_cdf=title_cdf / title_cdf[-1], tags=tags,
-                  tag_cdf=_zipf_cdf(NUM_TAGS, *_TAG_ZIPF), tag_words=tag_words,
-                  topic_cdf=_zipf_cdf(_TOPIC_WORDS, 1.0, 0.8))
+                  tag_cdf=_zipf_cdf(NUM_TAGS, *_TAG_ZIPF), area_words=area_words,
+                  area_cdf=_zipf_cdf(_AREA_WORDS, 1.0, 0.8), api_words=api_words,
+                  api_cdf=_zipf_cdf(_API_WORDS, 1.0, 0.9))
 
 
 def _draw_words(rng: np.random.Generator, world: _World, cdf: np.ndarray,
-                lengths: np.ndarray, topic_share: float, post_tags: np.ndarray,
+                post: np.ndarray, shares: tuple[float, float], post_tags: np.ndarray,
                 tag_offsets: np.ndarray) -> np.ndarray:
-    """Word ids for posts of the given lengths, mixing background and topical words.
+    """Word ids for words owned by the given posts, mixing background and topical words.
 
-    A word is topical with probability ``topic_share``; a topical word belongs to
-    one of the post's tags, picked uniformly.
+    A word is an area word with probability ``shares[0]`` and an API name with
+    probability ``shares[1]``; a topical word belongs to one of its post's tags,
+    picked uniformly.
     """
-    post = np.repeat(np.arange(len(lengths)), lengths)
     ids = _sample(cdf, rng.random(len(post)))
-    topical = np.flatnonzero(rng.random(len(post)) < topic_share)
-    owner = post[topical]
-    n_tags = tag_offsets[owner + 1] - tag_offsets[owner]
-    tag = post_tags[tag_offsets[owner] + (rng.random(len(owner)) * n_tags).astype(np.int64)]
-    ids[topical] = world.tag_words[tag, _sample(world.topic_cdf, rng.random(len(owner)))]
+    u = rng.random(len(post))
+    for kind, (low, high) in (("area", (0.0, shares[0])),
+                              ("api", (shares[0], shares[0] + shares[1]))):
+        topical = np.flatnonzero((u >= low) & (u < high))
+        owner = post[topical]
+        n_tags = tag_offsets[owner + 1] - tag_offsets[owner]
+        tag = post_tags[tag_offsets[owner] + (rng.random(len(owner)) * n_tags).astype(np.int64)]
+        table, topic_cdf = ((world.area_words, world.area_cdf) if kind == "area"
+                            else (world.api_words, world.api_cdf))
+        ids[topical] = table[tag, _sample(topic_cdf, rng.random(len(owner)))]
     return ids
 
 
-def _posts(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: int,
-           time_range: tuple[int, int], p_answer: float
-           ) -> tuple[dict[str, list], np.ndarray, np.ndarray]:
-    """Generates ``n`` posts of one user, oldest first.
+def _varint(value: int) -> bytes:
+    """Protobuf varint of a non-negative integer below 2^64."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
-    Returns:
-        The posts as feature columns (feature name -> list of ``n`` values, the six TFF
-        features), the token word ids and the tag ids (for counting).
-    """
-    times = np.sort(rng.integers(*time_range, size=n))
-    answer = rng.random(n) < p_answer
-    score = np.floor(rng.lognormal(0.0, 1.2, n)).astype(np.int64) - rng.binomial(1, 0.1, n)
+
+def _delimited(field_byte: bytes, payload: bytes) -> bytes:
+    """A length-delimited protobuf field: its tag byte, the length, the payload."""
+    return field_byte + _varint(len(payload)) + payload
+
+
+def _entry(name: bytes, feature: bytes) -> bytes:
+    """One ``Features.feature`` map entry (key 1, value 2), as a field of ``Features``."""
+    return _delimited(b"\x0a", _delimited(b"\x0a", name) + _delimited(b"\x12", feature))
+
+
+def _bytes_entry(name: bytes, value: str) -> bytes:
+    """Entry of a one-value ``bytes_list`` feature (Feature field 1, BytesList field 1)."""
+    return _entry(name, _delimited(b"\x0a", _delimited(b"\x0a", value.encode("utf-8"))))
+
+
+def _int64_entry(name: bytes, value: int) -> bytes:
+    """Entry of a one-value ``int64_list`` feature (Feature field 3, packed Int64List field 1)."""
+    return _entry(name, _delimited(b"\x1a", _delimited(b"\x0a", _varint(value % (1 << 64)))))
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Examples of one user in one split: posts, and sentences pointing at their post."""
+
+    post_columns: dict[str, list]   # the five post-level features, one value per post
+    sentences: list[str]            # the ``tokens`` of each example
+    post_of: np.ndarray             # int, the post of each example
+    token_ids: np.ndarray           # word ids of all the sentences (for counting)
+    tag_ids: np.ndarray             # tag ids of each example's tags (for counting)
+
+    def __len__(self) -> int:
+        return len(self.sentences)
+
+    def columns(self) -> dict[str, list]:
+        """The six features as columns of one value per example (sorted by name)."""
+        post_of = self.post_of.tolist()
+        columns = {name: [values[p] for p in post_of]
+                   for name, values in self.post_columns.items()}
+        columns["tokens"] = self.sentences
+        return {name: columns[name] for name in _FEATURES}
+
+    def blobs(self) -> list[bytes]:
+        """The examples as serialized ``tf.train.Example`` protos.
+
+        Byte-identical to :func:`fedprivacy.data.example_proto.encode_example` (map
+        entries in sorted key order), but the post's features are encoded once.
+        """
+        cols = self.post_columns
+        heads = [_bytes_entry(b"creation_date", d) + _int64_entry(b"score", s)
+                 + _bytes_entry(b"tags", t) + _bytes_entry(b"title", ti)
+                 for d, s, t, ti in zip(cols["creation_date"], cols["score"], cols["tags"],
+                                        cols["title"])]
+        tails = [_bytes_entry(b"type", t) for t in cols["type"]]
+        blobs = []
+        for post, sentence in zip(self.post_of.tolist(), self.sentences):
+            body = heads[post] + _bytes_entry(b"tokens", sentence) + tails[post]
+            blobs.append(_delimited(b"\x0a", body))
+        return blobs
+
+
+def _block(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: int,
+           time_range: tuple[int, int], p_answer: float) -> _Block:
+    """Generates ``n`` examples (sentences) of one user, oldest post first."""
+    # Posts until n sentences; the last post keeps only the sentences needed.
+    num_posts = int(n / (1 + _SENTENCES_PER_POST)) + 1
+    while True:
+        per_post = 1 + rng.poisson(_SENTENCES_PER_POST, num_posts)
+        ends = np.cumsum(per_post)
+        if ends[-1] >= n:
+            break
+        num_posts *= 2
+    num_posts = int(np.searchsorted(ends, n)) + 1
+    per_post = per_post[:num_posts]
+    per_post[-1] -= ends[num_posts - 1] - n
+    post_of = np.repeat(np.arange(num_posts), per_post)
+
+    times = np.sort(rng.integers(*time_range, size=num_posts))
+    answer = rng.random(num_posts) < p_answer
+    score = (np.floor(rng.lognormal(0.0, 1.2, num_posts)).astype(np.int64)
+             - rng.binomial(1, 0.1, num_posts))
 
     # Tags: the first one usually a favourite, the rest usually global; dedupe in order.
-    n_tags = _sample(_TAGS_PER_POST, rng.random(n)) + 1
-    owner = np.repeat(np.arange(n), n_tags)
+    n_tags = _sample(_TAGS_PER_POST, rng.random(num_posts)) + 1
+    owner = np.repeat(np.arange(num_posts), n_tags)
     first = np.r_[0, np.cumsum(n_tags)[:-1]]
     p_fav = np.full(len(owner), 0.25)
     p_fav[first] = 0.75
@@ -245,54 +423,51 @@ def _posts(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: i
     _, keep = np.unique(owner * NUM_TAGS + tag_ids, return_index=True)
     keep.sort()
     owner, tag_ids = owner[keep], tag_ids[keep]
-    tag_offsets = np.r_[0, np.cumsum(np.bincount(owner, minlength=n))]
+    tag_offsets = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_posts))]
 
-    body_len = np.clip(np.rint(rng.lognormal(np.log(_TOKENS_MEDIAN), _TOKENS_SIGMA, n)), 1,
-                       _TOKENS_CAP).astype(np.int64)
-    title_len = rng.integers(5, 13, size=n)
-    body = _draw_words(rng, world, world.word_cdf, body_len, _TOPIC_SHARE[0], tag_ids,
-                       tag_offsets)
-    title = _draw_words(rng, world, world.title_cdf, title_len, _TOPIC_SHARE[1], tag_ids,
-                        tag_offsets)
+    sentence_len = np.clip(np.rint(rng.lognormal(np.log(_TOKENS_MEDIAN), _TOKENS_SIGMA, n)),
+                           1, _TOKENS_CAP).astype(np.int64)
+    title_len = rng.integers(5, 13, size=num_posts)
+    tokens = _draw_words(rng, world, world.word_cdf, np.repeat(post_of, sentence_len),
+                         _TOPIC_SHARE["tokens"], tag_ids, tag_offsets)
+    title = _draw_words(rng, world, world.title_cdf, np.repeat(np.arange(num_posts), title_len),
+                        _TOPIC_SHARE["title"], tag_ids, tag_offsets)
 
-    body_words, title_words = world.words[body].tolist(), world.words[title].tolist()
-    body_offsets, title_offsets = np.r_[0, np.cumsum(body_len)], np.r_[0, np.cumsum(title_len)]
+    token_words, title_words = world.words[tokens].tolist(), world.words[title].tolist()
+    sentence_ends, title_ends = np.cumsum(sentence_len).tolist(), np.cumsum(title_len).tolist()
     tag_names = world.tags[tag_ids].tolist()
+    tag_ends = tag_offsets.tolist()
     dates = np.datetime_as_string(times.astype("datetime64[s]"))
-    columns = {
+    post_columns = {
         "creation_date": [f"{date.replace('T', ' ')} UTC" for date in dates],
         "score": score.tolist(),
-        "tags": ["|".join(tag_names[tag_offsets[i]:tag_offsets[i + 1]]) for i in range(n)],
-        "title": [" ".join(title_words[title_offsets[i]:title_offsets[i + 1]]) for i in range(n)],
-        "tokens": [" ".join(body_words[body_offsets[i]:body_offsets[i + 1]]) for i in range(n)],
+        "tags": ["|".join(tag_names[tag_ends[i]:tag_ends[i + 1]]) for i in range(num_posts)],
+        "title": [" ".join(title_words[a:b]) for a, b in zip([0, *title_ends], title_ends)],
         "type": ["answer" if a else "question" for a in answer.tolist()],
     }
-    return columns, body, tag_ids
+    sentences = [" ".join(token_words[a:b]) for a, b in zip([0, *sentence_ends], sentence_ends)]
+    example_tags = np.concatenate([tag_ids[tag_offsets[p]:tag_offsets[p + 1]]
+                                   for p in post_of.tolist()]) if n else tag_ids[:0]
+    return _Block(post_columns, sentences, post_of, tokens, example_tags)
 
 
-def _num_examples(rng: np.random.Generator) -> int:
-    """Heavy-tailed number of examples of one user (at least 1, capped)."""
-    draw = rng.lognormal(np.log(_EXAMPLES_MEDIAN), _EXAMPLES_SIGMA)
-    return int(np.clip(np.rint(draw), 1, _EXAMPLES_CAP))
-
-
-def _user_splits(seed: int, user: int, world: _World
-                 ) -> list[tuple[str, dict[str, list], np.ndarray, np.ndarray]]:
-    """All posts of one user, grouped by split."""
+def _user_splits(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tuple[str, _Block]]:
+    """All examples of one user, grouped by split."""
     rng = np.random.default_rng([seed, 1, user])
     n_favourites = 1 + min(int(rng.poisson(1.2)), 4)
     favourites = np.unique(_sample(world.tag_cdf, rng.random(n_favourites)))
     p_answer = rng.beta(2.0, 1.5)
     start = int(rng.integers(_DATES["start"], _DATES["last_start"]))
-    n = _num_examples(rng)
+    n = sizes.draw(rng)
+    n_test = (max(1, int(rng.binomial(n, rng.beta(*_TEST_SHARE_BETA))))
+              if rng.random() < _TEST_USER_SHARE else 0)
     if user % 10 == 0:
-        return [("heldout", *_posts(rng, world, favourites, n, (start, _DATES["end"]),
-                                    p_answer))]
-    splits = [("train", *_posts(rng, world, favourites, n, (start, _DATES["test"]), p_answer))]
-    if rng.random() < _TEST_USER_SHARE:
-        n_test = max(1, int(rng.binomial(n, rng.beta(2.0, 8.0))))
-        splits.append(("test", *_posts(rng, world, favourites, n_test,
-                                       (_DATES["test"], _DATES["end"]), p_answer)))
+        return [("heldout", _block(rng, world, favourites, n + n_test, (start, _DATES["end"]),
+                                   p_answer))]
+    splits = [("train", _block(rng, world, favourites, n, (start, _DATES["test"]), p_answer))]
+    if n_test:
+        splits.append(("test", _block(rng, world, favourites, n_test,
+                                      (_DATES["test"], _DATES["end"]), p_answer)))
     return splits
 
 
@@ -304,9 +479,8 @@ class _Writer:
         self._examples: list[tuple[str, str, bytes]] = []
         self._metadata: list[tuple[str, str, int]] = []
 
-    def add(self, split: str, client_id: str, columns: dict[str, list]) -> None:
-        names = list(columns)
-        blobs = [encode_example(dict(zip(names, row))) for row in zip(*columns.values())]
+    def add(self, split: str, client_id: str, block: _Block) -> None:
+        blobs = block.blobs()
         self._examples.extend((split, client_id, blob) for blob in blobs)
         self._metadata.append((client_id, split, len(blobs)))
         if len(self._examples) >= _BATCH_ROWS:
@@ -333,18 +507,26 @@ def _write_counts(world: _World, word_counts: np.ndarray, tag_counts: np.ndarray
 
 
 def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
-             overwrite: bool = False, format: str = "tff-sqlite") -> SyntheticFiles:
+             overwrite: bool = False, format: str = "tff-sqlite",
+             min_examples: int = TFF_MIN_EXAMPLES, mean_examples: float = TFF_MEAN_EXAMPLES,
+             max_examples: int = DEFAULT_MAX_EXAMPLES) -> SyntheticFiles:
     """Writes a synthetic StackOverflow dataset in TFF's on-disk format.
 
     Args:
         out_dir: Output directory (created if missing).
         num_clients: Number of train users (the real dataset has 342,477).
             About ``num_clients / 9`` held-out users are added.
-        seed: Non-negative seed; the same seed gives byte-identical files.
+        seed: Non-negative seed; the same seed (and sizes) gives byte-identical files.
         overwrite: Replace existing non-empty example files.
         format: ``"tff-sqlite"`` (``stackoverflow.sqlite``) or ``"tff-h5"`` (TFF's legacy
-            ``stackoverflow_{train,held_out,test}.h5``). Both hold the same posts for the
-            same seed.
+            ``stackoverflow_{train,held_out,test}.h5``). Both hold the same examples for
+            the same seed.
+        min_examples: Fewest train examples (sentences) of a user; TFF's 100 by default.
+            A held-out user has at least as many; a user's 2018 (test) examples are not
+            bounded below.
+        mean_examples: Mean train examples per user; TFF's 397 by default.
+        max_examples: Cap on a user's train examples (the lognormal tail is solved so
+            that the capped mean is ``mean_examples``).
 
     Returns:
         The paths of the files written.
@@ -352,12 +534,14 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
     Raises:
         FileExistsError: If an example file exists, is not empty, and
             ``overwrite`` is false.
-        ValueError: If ``num_clients < 1``, ``seed < 0`` or ``format`` is unknown.
+        ValueError: If ``num_clients < 1``, ``seed < 0``, ``format`` is unknown, or not
+            ``1 <= min_examples <= mean_examples <= max_examples``.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    sizes = _sizes(min_examples, mean_examples, max_examples)
     out_dir = Path(out_dir)
     if format == "tff-sqlite":
         files = SyntheticFiles(out_dir / SQLITE_NAME, out_dir / WORD_COUNT_NAME,
@@ -385,11 +569,11 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
 
     def write_users(add) -> None:
         for user in range(num_users):
-            for split, columns, token_ids, tag_ids in _user_splits(seed, user, world):
-                add(split, f"{user:0{width}d}", columns)
+            for split, block in _user_splits(seed, user, world, sizes):
+                add(split, f"{user:0{width}d}", block)
                 if split == "train":
-                    word_counts[:] += np.bincount(token_ids, minlength=VOCAB_SIZE)
-                    tag_counts[:] += np.bincount(tag_ids, minlength=NUM_TAGS)
+                    word_counts[:] += np.bincount(block.token_ids, minlength=VOCAB_SIZE)
+                    tag_counts[:] += np.bincount(block.tag_ids, minlength=NUM_TAGS)
 
     if files.sqlite is not None:
         connection = sqlite3.connect(partial[files.sqlite])
@@ -407,11 +591,13 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
             connection.close()
     else:
         with H5Writer({split: partial[path] for split, path in files.h5.items()}) as writer:
-            write_users(writer.add)
+            write_users(lambda split, client, block: writer.add(split, client, block.columns()))
     _write_counts(world, word_counts, tag_counts, partial[files.word_count],
                   partial[files.tag_count])
     for path, temporary in partial.items():
         os.replace(temporary, path)
     (out_dir / SYNTHETIC_MARKER).write_text(json.dumps(
-        {"generator": __name__, "num_clients": num_clients, "seed": seed, "format": format}))
+        {"generator": __name__, "num_clients": num_clients, "seed": seed, "format": format,
+         "min_examples": min_examples, "mean_examples": mean_examples,
+         "max_examples": max_examples}))
     return files

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedprivacy.data.example_proto import decode_example
+from fedprivacy.data.example_proto import decode_example, encode_example
 from fedprivacy.data.stackoverflow import read_tag_counts, read_word_counts
-from fedprivacy.data.synthetic import SyntheticFiles, generate
+from fedprivacy.data.synthetic import (DEFAULT_MAX_EXAMPLES, SYNTHETIC_MARKER, TFF_MEAN_EXAMPLES,
+                                       TFF_MIN_EXAMPLES, SyntheticFiles, _sizes, _user_splits,
+                                       _world, generate)
 
 DATE = re.compile(rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC")
 
@@ -149,13 +151,123 @@ def test_zipf_like_words_over_a_large_vocabulary(so_files: SyntheticFiles) -> No
     assert list(read_word_counts(so_files.word_count, 3)) == ["the", ".", ","]
 
 
-def test_heavy_tailed_examples_per_user(so_files: SyntheticFiles) -> None:
-    with sqlite3.connect(so_files.sqlite) as connection:
-        sizes = np.array([n for (n,) in connection.execute(
+def _train_sizes(files: SyntheticFiles) -> np.ndarray:
+    with sqlite3.connect(files.sqlite) as connection:
+        return np.array([n for (n,) in connection.execute(
             "SELECT num_examples FROM client_metadata WHERE split_name = 'train'")])
-    assert sizes.min() >= 1
-    assert 8 <= np.median(sizes) <= 40
-    assert sizes.max() >= 5 * np.median(sizes)
+
+
+def test_users_have_tffs_heavy_tailed_sizes(so_files: SyntheticFiles) -> None:
+    """TFF keeps users with >= 100 sentences; 397 train examples per user on average."""
+    sizes = _train_sizes(so_files)
+    assert sizes.min() >= TFF_MIN_EXAMPLES
+    assert 150 <= np.median(sizes) <= 350
+    assert sizes.max() >= 3 * np.median(sizes)
+    with sqlite3.connect(so_files.sqlite) as connection:
+        heldout, test = ([n for (n,) in connection.execute(
+            "SELECT num_examples FROM client_metadata WHERE split_name = ?", (split,))]
+            for split in ("heldout", "test"))
+    assert min(heldout) >= TFF_MIN_EXAMPLES
+    assert 0.05 <= np.mean(test) / sizes.mean() <= 0.5   # TFF: 81 test vs 397 train examples
+
+
+def test_size_distribution_hits_the_mean_with_a_heavy_tail() -> None:
+    sizes = _sizes(TFF_MIN_EXAMPLES, TFF_MEAN_EXAMPLES, DEFAULT_MAX_EXAMPLES)
+    rng = np.random.default_rng(0)
+    draws = np.array([sizes.draw(rng) for _ in range(400)])
+    assert draws.min() >= TFF_MIN_EXAMPLES
+    assert abs(draws.mean() / TFF_MEAN_EXAMPLES - 1) < 0.1
+    assert draws.max() / np.median(draws) > 5
+    many = np.array([sizes.draw(rng) for _ in range(20_000)])
+    assert abs(many.mean() / TFF_MEAN_EXAMPLES - 1) < 0.03
+    capped = _sizes(100, 397, 1_000)        # the cap is solved for: the mean stays
+    draws = np.array([capped.draw(rng) for _ in range(20_000)])
+    assert draws.max() == 1_000 and abs(draws.mean() / 397 - 1) < 0.03
+    assert {_sizes(5, 5, 9).draw(rng), _sizes(2, 9, 9).draw(rng)} == {5, 9}
+
+
+@pytest.mark.parametrize("sizes", [(0, 5, 10), (10, 5, 20), (1, 30, 20)])
+def test_refuses_inconsistent_sizes(tmp_path: Path, sizes) -> None:
+    low, mean, high = sizes
+    with pytest.raises(ValueError, match="min_examples <= mean_examples <= max_examples"):
+        generate(tmp_path, num_clients=2, min_examples=low, mean_examples=mean,
+                 max_examples=high)
+
+
+def test_small_sizes_for_fast_fixtures(tmp_path: Path) -> None:
+    files = generate(tmp_path, num_clients=30, seed=2, min_examples=1, mean_examples=6,
+                     max_examples=40)
+    sizes = _train_sizes(files)
+    assert sizes.min() >= 1 and sizes.max() <= 40 and 3 <= sizes.mean() <= 12
+    marker = json.loads((tmp_path / SYNTHETIC_MARKER).read_text())
+    assert (marker["min_examples"], marker["mean_examples"], marker["max_examples"]) == (1, 6, 40)
+
+
+def _posts(decoded: list) -> dict[tuple, list[dict]]:
+    """Examples grouped by post: same user, split and creation date."""
+    posts = collections.defaultdict(list)
+    for split, client, example in decoded:
+        posts[split, client, example["creation_date"][0]].append(example)
+    return posts
+
+
+def test_examples_are_sentences_sharing_their_posts_title_and_tags(decoded: list) -> None:
+    posts = _posts(decoded)
+    for examples in posts.values():
+        for name in ("title", "tags", "score", "type"):
+            assert len({example[name][0] for example in examples}) == 1, name
+    sentences = np.array([len(examples) for examples in posts.values()])
+    assert 3.5 <= sentences.mean() <= 6.5 and sentences.max() >= 8
+    lengths = np.array([len(example["tokens"][0].split()) for _, _, example in decoded])
+    assert 9 <= lengths.mean() <= 18            # a sentence, not a whole post
+    assert len({example["tokens"][0] for _, _, example in decoded}) > 0.95 * len(decoded)
+
+
+def test_one_to_five_tags_per_post(decoded: list) -> None:
+    counts = np.array([len(examples[0]["tags"][0].split(b"|"))
+                       for examples in _posts(decoded).values()])
+    share = np.bincount(counts, minlength=6)[1:] / len(counts)
+    assert counts.min() >= 1 and counts.max() <= 5 and share.min() > 0.03
+    assert 2.3 <= counts.mean() <= 3.1
+
+
+def test_a_tenth_of_the_tokens_lie_outside_the_top_10000_words(so_files: SyntheticFiles) -> None:
+    counts = np.array(list(read_word_counts(so_files.word_count).values()), dtype=float)
+    assert 0.06 <= counts[10_000:].sum() / counts.sum() <= 0.16
+
+
+def test_tag_specificity_rises_into_the_vocabulary_tail(so_files: SyntheticFiles,
+                                                       decoded: list) -> None:
+    """Share of a word's occurrences in posts carrying its commonest co-occurring tag, by the
+    word's frequency rank: stop words are spread over all tags, API names tied to one or two."""
+    rank = {w: i for i, w in enumerate(read_word_counts(so_files.word_count))}
+    per_word = collections.defaultdict(collections.Counter)
+    occurrences = collections.Counter()
+    for split, _, example in decoded:
+        if split == "train":
+            tags = example["tags"][0].split(b"|")
+            for word in example["tokens"][0].decode().split():
+                per_word[rank[word]].update(tags)
+                occurrences[rank[word]] += 1
+    share = {}
+    for low, high in ((0, 100), (100, 1_000), (1_000, 10_000)):
+        ranks = [r for r in range(low, high) if occurrences[r]]
+        share[low] = (sum(per_word[r].most_common(1)[0][1] for r in ranks)
+                      / sum(occurrences[r] for r in ranks))
+    assert share[0] < 0.2 and share[0] < share[100] < share[1_000]
+
+
+def test_fast_encoder_is_byte_identical_to_encode_example() -> None:
+    world = _world(0)
+    for _, block in _user_splits(0, 7, world, _sizes(2, 5, 9)):
+        for score in (-1, 0, 1, 2 ** 40):
+            columns = dict(block.post_columns, score=[score] * len(block.post_columns["score"]))
+            again = type(block)(columns, block.sentences, block.post_of, block.token_ids,
+                                block.tag_ids)
+            rows = again.columns()
+            expected = [encode_example({name: rows[name][i] for name in rows})
+                        for i in range(len(again))]
+            assert again.blobs() == expected
 
 
 def test_users_are_non_iid(decoded: list) -> None:
