@@ -31,6 +31,12 @@ def _identity() -> None:
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
 
 
+PARENT = os.getpid()
+PARENT_PACE_S = 0.02
+"""Each client run in the test's own process takes this long, so a forked worker that starts late on
+a loaded machine still claims some of a batch (the tests below need both processes to run clients)."""
+
+
 def _echo_app() -> ClientApp:
     """Replies with its node, the pid that ran it and how often this node ran (kept in its state);
     raises for node 5."""
@@ -38,6 +44,8 @@ def _echo_app() -> ClientApp:
 
     @app.train()
     def train(msg: Message, context) -> Message:
+        if os.getpid() == PARENT:
+            time.sleep(PARENT_PACE_S)
         if msg.metadata.dst_node_id == 5:
             raise RuntimeError("node 5 always fails")
         seen = int(context.state["count"]["n"]) + 1 if "count" in context.state else 1
@@ -88,6 +96,7 @@ def test_a_worker_that_dies_is_one_dropout_and_the_rest_run_here():
     def train(msg: Message, context) -> Message:
         if os.getpid() != parent:
             os._exit(3)  # the worker process is killed while running this client
+        time.sleep(PARENT_PACE_S)
         return Message(RecordDict({"r": ConfigRecord({"node": msg.metadata.dst_node_id})}), reply_to=msg)
 
     with InProcessGrid(app, num_nodes=30, processes=2) as grid:
