@@ -11,9 +11,11 @@ from fedprivacy.data.synthetic import generate
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> Path:
-    """40 training users in TFF's SQLite format (generated once per session)."""
+    """40 training users in TFF's SQLite format (generated once per session), about a tenth of TFF's
+    user size (mean 40 examples, at least 1) so that the suite stays fast; the TFF-shaped sizes have
+    their own tests in tests/data/test_synthetic.py."""
     out = tmp_path_factory.mktemp("so40")
-    generate(out, num_clients=40, seed=1)
+    generate(out, num_clients=40, seed=1, min_examples=1, mean_examples=40, max_examples=800)
     return out
 
 
