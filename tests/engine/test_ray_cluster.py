@@ -75,23 +75,23 @@ def _group_members(pgid: int) -> list[int]:
     return pids
 
 
-def _stop(pgids: list[int], grace_s: float = 15.0) -> list[int]:
-    """SIGTERM the groups (worker first), SIGKILL what is left after ``grace_s``; returns survivors."""
+def _signal(pgids: list[int], sig: int) -> None:
+    """Send ``sig`` to every live member of the groups, by pid."""
     for pgid in pgids:
         for pid in _group_members(pgid):
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _stop(pgids: list[int], grace_s: float = 15.0) -> list[int]:
+    """SIGTERM the groups (worker first), SIGKILL what is left after ``grace_s``; returns survivors."""
+    _signal(pgids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_group_members(g) for g in pgids):
         time.sleep(0.25)
-    for pgid in pgids:
-        for pid in _group_members(pgid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _signal(pgids, signal.SIGKILL)
     time.sleep(0.5)
     return [pid for g in pgids for pid in _group_members(g)]
 
