@@ -23,7 +23,7 @@ The data follow TFF's published shape (docs/DATA.md compares the statistics):
 * **Users.** Ids ``0, 1, 2, ...`` are zero-padded strings; users with ``id % 10 ==
   0`` are held out (all their examples, from every year, go to ``heldout``; about
   ``num_clients / 9`` users); the other ``num_clients`` users write before 2018
-  (``train``) and about 60% of them (TFF: 204,088 of 342,477) also in 2018
+  (``train``) and about 60% of them (TFF: 204,088 of 342,477; always the first) also in 2018
   (``test``, about a fifth of their train count). Train examples per user are
   ``min_examples`` plus a lognormal excess (a heavy tail), capped at
   ``max_examples``, with mean ``mean_examples``: by default at least 100 (TFF
@@ -459,8 +459,8 @@ def _user_splits(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tup
     p_answer = rng.beta(2.0, 1.5)
     start = int(rng.integers(_DATES["start"], _DATES["last_start"]))
     n = sizes.draw(rng)
-    n_test = (max(1, int(rng.binomial(n, rng.beta(*_TEST_SHARE_BETA))))
-              if rng.random() < _TEST_USER_SHARE else 0)
+    in_test = rng.random() < _TEST_USER_SHARE or user == 1  # user 1 (the first train user): every split exists
+    n_test = max(1, int(rng.binomial(n, rng.beta(*_TEST_SHARE_BETA)))) if in_test else 0
     if user % 10 == 0:
         return [("heldout", _block(rng, world, favourites, n + n_test, (start, _DATES["end"]),
                                    p_answer))]

@@ -284,3 +284,13 @@ def test_users_are_non_iid(decoded: list) -> None:
              for c in per_user.values() if sum(c.values()) >= 30
              for tag, count in c.most_common(1)]
     assert np.median(lifts) > 3
+
+
+def test_every_split_exists_at_any_population_size(tmp_path):
+    from fedprivacy.data.stackoverflow import client_ids
+
+    for users, seed in [(u, s) for u in (1, 2, 3) for s in range(4)]:  # 40% of users have no 2018 posts
+        files = generate(tmp_path / f"{users}_{seed}", num_clients=users, seed=seed, min_examples=1,
+                         mean_examples=5, max_examples=20)
+        for split in ("train", "heldout", "test"):
+            assert client_ids(files.sqlite, split), (users, seed, split)
