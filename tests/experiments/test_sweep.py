@@ -110,7 +110,8 @@ def test_killed_sweep_restarts_where_it_stopped_and_matches_an_uninterrupted_one
     # A run killed between a release and its next checkpoint re-runs that round with a fresh draw and
     # cohort (epoch 1 of its write-ahead log) and accounts both releases: it must NOT match the
     # uninterrupted run (it spent more), and every other run must match it exactly.
-    rekeyed = {rid for rid in partial if any(e["epoch"] for e in ReleaseLog(runs / rid).entries)}
+    rekeyed = {s.run_id for s in expand(study)  # also a run that started between the last look and the kill
+               if any(e["epoch"] for e in ReleaseLog(runs / s.run_id).entries)}
     for rid in rekeyed:
         summary = json.loads((runs / rid / "summary.json").read_text())
         assert summary["releases"] > summary["rounds_completed"]
