@@ -1,4 +1,5 @@
-r"""Client mods for any Flower ClientApp: client-side clipping with distributed or local noise.
+r"""Client mods for any Flower ClientApp: client-side clipping with distributed or local noise, and
+top-k uplink compression with error feedback.
 
 .. code-block:: python
 
@@ -22,7 +23,10 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, vector_to_arrays
+from fedprivacy.client.compression import Residual, compress
+from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays,
+                                   update_to_record, vector_to_arrays)
+from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, client_noise_std, privatize_upload_
 
@@ -43,6 +47,44 @@ def client_noise_mod(*, placement: Placement, noise_multiplier: float, clip_norm
         update = arrays_to_vector(float32_arrays(reply.content["arrays"])) - start
         privatize_upload_(update, clip_norm, std, GaussianNoise(0, secure=True))
         reply.content["arrays"] = arrays_to_record(vector_to_arrays(start + update, sent))
+        return reply
+
+    return mod
+
+
+RESIDUAL_KEY = "fedprivacy-uplink-residual"
+"""``Context.state`` key of :func:`topk_uplink_mod`'s error-feedback residual (it never leaves the device)."""
+
+
+def topk_uplink_mod(*, density: float, clip_norm: float, quantization: str = "none",
+                    per_tensor: bool = False) -> Mod:
+    r"""A mod that sends ``clip(T_k(Delta + e), C)`` as a sparse delta and keeps ``e`` in ``Context.state``.
+
+    :mod:`fedprivacy.client.compression` is the math (DP-MicroAdam's uplink, notes/microadam.md §3):
+    ``a = (w_i - x_t) + e``; the ``k = ceil(density d)`` largest entries of ``a`` (per parameter tensor
+    with ``per_tensor``) are sent, clipped to ``clip_norm`` (the server's C, so its clip never changes
+    them); ``e <- a - T_k(a)`` (4-bit quantized with ``quantization="4bit"``). The reply's ``arrays``
+    become fedprivacy's sparse delta ``{"indices", "values"}``, which ``DPFedAvg`` accepts; use it with
+    central placement (client-side noise would have to precede the data-dependent top-k).
+    """
+
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        reply = call_next(msg, context)
+        if msg.metadata.message_type != "train" or reply.has_error():
+            return reply
+        sent = float32_arrays(msg.content["arrays"])
+        delta = arrays_to_vector(float32_arrays(reply.content["arrays"])) - arrays_to_vector(sent)
+        held = context.state.array_records.get(RESIDUAL_KEY)
+        residual = None if held is None else Residual.from_arrays(record_to_arrays(held))
+        out = compress(SparseUpdate.dense(delta), residual, density=density, clip_norm=clip_norm,
+                       quantization=quantization,
+                       tensor_sizes=[a.size for a in sent.values()] if per_tensor else None)
+        if out.residual is None:
+            if held is not None:
+                del context.state[RESIDUAL_KEY]
+        else:
+            context.state[RESIDUAL_KEY] = arrays_to_record(out.residual.to_arrays())
+        reply.content["arrays"] = update_to_record(out.sent)
         return reply
 
     return mod

@@ -146,3 +146,54 @@ def public_batches(features: sp.csr_matrix, targets: Any, batch_size: int,
     for lo in range(0, len(order), batch_size):
         idx = np.sort(order[lo:lo + batch_size])
         yield features[idx], targets[idx]
+
+
+class AdaDPSOptimizer:
+    r"""Any ``torch.optim`` optimizer with AdaDPS's public preconditioner: every step first divides each
+    parameter's gradient by its ``A`` (Li et al. 2022, arXiv:2202.05963v2, App. B, Alg. 3:
+    :math:`w \leftarrow w - \eta_l\, \nabla f(w) \oslash A` for SGD), then takes the wrapped step.
+
+    For the local steps of federated AdaDPS (user-level DP: the server clips and noises the delta).
+    ``A = 1`` is the wrapped optimizer bit for bit; with SGD, ``A -> cA`` equals ``lr -> lr / c``.
+    ``A`` must be public (invariant 10): e.g. the side information fedprivacy's server broadcasts.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        preconditioner: one positive tensor per parameter of ``optimizer``'s groups, in order,
+            broadcastable to the parameter's shape.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, preconditioner: Iterable[torch.Tensor]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        a = [torch.as_tensor(t, dtype=p.dtype, device=p.device) for t, p in zip(preconditioner, params, strict=True)]
+        for t, p in zip(a, params):
+            if torch.broadcast_shapes(t.shape, p.shape) != p.shape or not bool((t > 0).all()):
+                raise ValueError(f"preconditioner of shape {tuple(t.shape)} must be positive and broadcast to the "
+                                 f"parameter's shape {tuple(p.shape)}")
+        self.optimizer, self.params, self.preconditioner = optimizer, params, a
+
+    def step(self, closure=None):
+        """Divide the gradients by ``A`` in place, then the wrapped step (``closure`` as torch's)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for p, a in zip(self.params, self.preconditioner):
+                if p.grad is not None:
+                    p.grad.div_(a)
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -2,6 +2,7 @@
 that imports nothing of fedprivacy (issue "Open the engine", acceptance)."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -139,3 +140,31 @@ def test_client_noise_mod_with_a_stock_client_carries_the_placements_noise(place
     dp = _run(strategy, app, 10, rounds=1, lr=0.0)
     change = _flat(dp) - _flat(ArrayRecord(_model().state_dict()))
     assert float(change.std()) == pytest.approx(std, rel=0.02)
+
+
+def test_topk_uplink_mod_sends_a_sparse_clipped_delta_and_keeps_the_residual_on_the_client():
+    """A stock client behind the mod: each upload has ceil(0.05 d) coordinates, norm <= C; what was not
+    sent stays in the node's Context.state; at density 1 and no clipping it is plain FedAvg again."""
+    from fedprivacy.fl.mods import RESIDUAL_KEY, topk_uplink_mod
+    from fedprivacy.fl.records import record_to_update
+
+    seen = []
+
+    def spy(msg, context, call_next):
+        reply = call_next(msg, context)
+        seen.append((record_to_update(reply.content["arrays"], d), RESIDUAL_KEY in context.state))
+        return reply
+
+    d = IN * OUT + OUT
+    app = _plain_client_app(mods=[spy, topk_uplink_mod(density=0.05, clip_norm=0.5)])
+    _run(DPFedAvg(noise_multiplier=0.0, clip_norm=0.5, expected_cohort=5, population=5, sampling="fixed"),
+         app, 5, rounds=2, lr=0.5)
+    assert len(seen) == 10
+    for update, has_residual in seen:
+        assert update.indices is not None and len(update.indices) == math.ceil(0.05 * d)
+        assert float(update.values.norm()) <= 0.5 * (1 + 1e-6) and has_residual
+    full = _run(DPFedAvg(noise_multiplier=0.0, clip_norm=1e9, expected_cohort=5, population=5, sampling="fixed"),
+                _plain_client_app(mods=[topk_uplink_mod(density=1.0, clip_norm=1e9)]), 5, rounds=1, lr=0.5)
+    plain = _run(DPFedAvg(noise_multiplier=0.0, clip_norm=1e9, expected_cohort=5, population=5, sampling="fixed"),
+                 _plain_client_app(), 5, rounds=1, lr=0.5)
+    torch.testing.assert_close(_flat(full), _flat(plain))

@@ -195,3 +195,31 @@ def test_settings_a_source_does_not_read_are_refused_and_configs_round_trip(smal
     for source in ("ones", "top_words", "frequency", "tfidf", "rmsprop"):
         cfg = small_config("data.public_clients=2", f"client.adadps.source={source}")
         assert config_from_json(cfg.to_json()) == cfg  # the deployment path ships the config as JSON
+
+
+def test_adadps_optimizer_with_unit_a_is_the_wrapped_optimizer_and_scales_like_lr_for_sgd():
+    from fedprivacy.optim.adadps import AdaDPSOptimizer
+
+    def train(make, steps=5):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
+        opt = make(model)
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    ones = lambda m: [torch.ones_like(p) for p in m.parameters()]  # noqa: E731
+    for base in (lambda ps: torch.optim.SGD(ps, lr=0.3), lambda ps: torch.optim.Adam(ps, lr=0.05)):
+        assert torch.equal(train(lambda m: AdaDPSOptimizer(base(m.parameters()), ones(m))),
+                           train(lambda m: base(m.parameters())))  # A = 1: bit for bit
+    c = 4.0
+    scaled = train(lambda m: AdaDPSOptimizer(torch.optim.SGD(m.parameters(), lr=0.3), [c * a for a in ones(m)]))
+    torch.testing.assert_close(scaled, train(lambda m: torch.optim.SGD(m.parameters(), lr=0.3 / c)))
+    per_word = train(lambda m: AdaDPSOptimizer(torch.optim.SGD(m.parameters(), lr=0.3),
+                                               [torch.linspace(0.5, 2, 6).expand(3, 6), torch.ones(3)]))
+    assert not torch.allclose(per_word, train(lambda m: torch.optim.SGD(m.parameters(), lr=0.3)))
+    with pytest.raises(ValueError, match="positive"):
+        AdaDPSOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1), [torch.zeros(2, 2), torch.ones(2)])
