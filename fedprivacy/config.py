@@ -54,10 +54,11 @@ class DataConfig(_Section):
     """Use only the first ``max_clients`` training users (sorted ids); the population is this many."""
     max_test_examples: int | None = Field(None, ge=1)
     """Cap on pooled test examples used for evaluation (first ones in client order)."""
-    task: Literal["tag", "tag_multilabel", "next_word"] = "tag"
+    task: str = Field("tag", pattern=r"^(tag|tag_multilabel|next_word|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
     """tag: single label (AdaDPS, softmax, accuracy); tag_multilabel: multi-hot over ``num_tags``
     (Reddi et al., sigmoid, recall@5); next_word: TFF's next-word prediction (LSTM, accuracy
-    without pad/OOV/EOS)."""
+    without pad/OOV/EOS); or ``package.module:factory``, a user's task: ``factory(data_config)``
+    returns an object implementing :class:`fedprivacy.task.Task` (the data is then the user's)."""
     source: Literal["tff-sqlite", "tff-h5"] = "tff-sqlite"
     """Example files in ``path``: ``stackoverflow.sqlite`` or TFF's legacy
     ``stackoverflow_{train,held_out,test}.h5``."""

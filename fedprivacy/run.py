@@ -39,7 +39,8 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         task = load_task(cfg.data)
         server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
         if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
-            run_inprocess(server_app, client_app, task.population, prefetch=task.prefetch, processes=cfg.processes)
+            run_inprocess(server_app, client_app, task.population, prefetch=getattr(task, "prefetch", None),
+                          processes=cfg.processes)
         else:
             from fedprivacy.engines.ray import run_ray
 

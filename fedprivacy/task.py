@@ -1,8 +1,8 @@
 """The StackOverflow tasks: data files, client views, pooled test set, model, loss, metrics.
 
-``data.task`` picks one of three tasks, all with the same interface (``population``,
-``new_model``, ``client_data(i)``, ``loss``, ``evaluate``, ``test_features``/``test_labels``,
-``majority_baseline``, ``public``):
+``data.task`` picks one of three tasks, all implementing :class:`Task` (``population``,
+``new_model``, ``client_data(i)``, ``loss``, ``evaluate``, ``majority_baseline``; optionally
+``public``, ``prefetch``), or a user's own task (``package.module:factory``):
 
 * ``tag`` (default): single-label tag prediction as in AdaDPS, softmax cross-entropy, accuracy
   (:class:`TagPredictionTask`);
@@ -24,18 +24,19 @@ Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`).
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import nn
 
-from fedprivacy.config import DataConfig
+from fedprivacy.config import ConfigError, DataConfig
 from fedprivacy.data.hdf5 import SPLIT_FILES
 from fedprivacy.data.next_word import FederatedTokenData, special_tokens
 from fedprivacy.data.prepared import prepared_tags, prepared_tokens
@@ -72,7 +73,9 @@ def may_generate(cfg: DataConfig) -> bool:
 
 def ensure_data(cfg: DataConfig) -> None:
     """Generate the synthetic data set if it is missing and allowed (:func:`may_generate`); otherwise
-    name what is missing."""
+    name what is missing. A user's task brings its own data."""
+    if is_user_task(cfg):
+        return
     files = data_files(cfg)
     missing = [p for p in files if not p.exists()]
     if not missing:
@@ -91,6 +94,8 @@ def data_provenance(cfg: DataConfig) -> dict[str, Any]:
     """Where a run's data came from, for ``summary.json``: the source format, the folder, whether the
     files are synthetic (with the generator's arguments, from :data:`SYNTHETIC_MARKER`) and each data
     file's identity (:func:`~fedprivacy.data.sources.file_identity`: size, mtime, SHA-256 of its ends)."""
+    if is_user_task(cfg):
+        return {"source": "user task", "task": cfg.task}
     marker = cfg.path / SYNTHETIC_MARKER
     generator = json.loads(marker.read_text()) if marker.is_file() else None
     return {"source": cfg.source, "path": str(cfg.path.resolve()), "synthetic": generator is not None,
@@ -193,6 +198,9 @@ class _BagOfWordsTask:
 @dataclass(frozen=True)
 class TagPredictionTask(_BagOfWordsTask):
     """Single-label tag prediction (AdaDPS): softmax regression, cross-entropy, accuracy."""
+
+    closed_form_softmax = True
+    """Local SGD takes the sparse model's closed-form softmax path (fedprivacy.client.trainer)."""
 
     @property
     def majority_baseline(self) -> float:
@@ -367,12 +375,61 @@ class NextWordTask:
                 "test_accuracy_with_oov_eos": correct_all / counted_all if counted_all else nan}
 
 
-Task = TagPredictionTask | MultiLabelTagTask | NextWordTask
+@runtime_checkable
+class Task(Protocol):
+    """What fedprivacy's ServerApp and ClientApp need of a task; the three StackOverflow tasks implement it,
+    and a user's task named ``data.task: package.module:factory`` does too (``factory(data_config)``).
+
+    ``client_data(i)`` returns ``(features, labels)`` of client ``i`` in ``0..population-1``, indexable by
+    an index array (numpy arrays, tensors or scipy CSR); local SGD minimises
+    ``loss(model(features[batch]), labels[batch])`` (a batch-mean scalar tensor). ``evaluate(model)``
+    returns metrics for ``metrics.csv`` (``test_accuracy`` is the headline one by default). Optional:
+    ``closed_form_softmax = True`` (the sparse tag model's fast path), ``prefetch(clients)``, ``public``.
+    """
+
+    @property
+    def population(self) -> int: ...
+
+    @property
+    def majority_baseline(self) -> float: ...
+
+    def new_model(self, device: str = "cpu") -> nn.Module: ...
+
+    def client_data(self, index: int) -> tuple[Any, Any]: ...
+
+    def loss(self, logits: torch.Tensor, labels: Any) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]: ...
+
+
+BUILTIN_TASKS = ("tag", "tag_multilabel", "next_word")
+
+
+def is_user_task(cfg: DataConfig) -> bool:
+    """Whether ``data.task`` names a user's task (``package.module:factory``), whose data is the user's."""
+    return cfg.task not in BUILTIN_TASKS
+
+
+def _user_task(cfg: DataConfig) -> Task:
+    module_name, _, attr = cfg.task.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"data.task: cannot import {cfg.task!r} ({err})") from None
+    task = factory(cfg)
+    if not isinstance(task, Task):
+        missing = [m for m in ("population", "majority_baseline", "new_model", "client_data", "loss", "evaluate")
+                   if not hasattr(task, m)]
+        raise ConfigError(f"data.task: {cfg.task!r} returned a {type(task).__name__} without {', '.join(missing)} "
+                          "(see fedprivacy.task.Task)")
+    return task
 
 
 @functools.lru_cache(maxsize=2)
 def load_task(cfg: DataConfig) -> Task:
     """Load (once per process and config) the task ``cfg.task``: client views, evaluation set, public pool."""
+    if is_user_task(cfg):
+        return _user_task(cfg)
     if cfg.task == "next_word":
         def prepare_tokens(source, split, **kw):
             return prepared_tokens(source, split, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **kw)

@@ -59,7 +59,7 @@ class StudyResults:
     @property
     def baseline_applies(self) -> bool:
         """Whether the runs' ``majority_baseline`` is of the headline metric (the task's own metric)."""
-        return self.metric == TASK_METRICS[self.manifest["runs"][0]["config"]["data"]["task"]]
+        return self.metric == TASK_METRICS.get(self.manifest["runs"][0]["config"]["data"]["task"], "test_accuracy")
 
     @property
     def incomplete(self) -> list[str]:

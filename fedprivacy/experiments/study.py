@@ -241,7 +241,7 @@ def expand(study: StudyConfig) -> list[RunSpec]:
 
 def study_metric(study: StudyConfig, task: str) -> str:
     """The study's headline metric: ``metric`` or that of its ``data.task`` (:data:`TASK_METRICS`)."""
-    return study.metric or TASK_METRICS[task]
+    return study.metric or TASK_METRICS.get(task, "test_accuracy")  # a user's task: test_accuracy
 
 
 def better(metric: str) -> str:

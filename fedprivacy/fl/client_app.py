@@ -135,7 +135,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         _load_broadcast(model, msg.content["arrays"], c.device)
         task = load_task(c.data)
         features, labels = task.client_data(partition)
-        loss_fn = None if c.data.task == "tag" else task.loss  # tag: the closed-form softmax path
+        loss_fn = None if getattr(task, "closed_form_softmax", False) else task.loss  # the tag model's fast path
         side = node_side_information(msg, context, c.device)  # AdaDPS's public A, or None
 
         def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)

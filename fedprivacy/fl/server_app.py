@@ -45,7 +45,7 @@ from fedprivacy.privacy.client_ledgers import ClientLedgers, event_from_metrics
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
 from fedprivacy.privacy.placement import local_upload_event
 from fedprivacy.privacy.release_log import ReleaseLog
-from fedprivacy.task import TagPredictionTask, data_provenance, load_task
+from fedprivacy.task import Task, data_provenance, load_task
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class DPFedAvgServer:
     round's draws are made, so it runs on a second core during that round's tail and this round's
     clients; off only for servers that change the mechanism mid-round (the audit's broken variants)."""
 
-    def __init__(self, cfg: RunConfig, task: TagPredictionTask) -> None:
+    def __init__(self, cfg: RunConfig, task: Task) -> None:
         cfg = resolve_noise_multiplier(cfg, task.population)
         self.cfg = cfg
         self.task = task
