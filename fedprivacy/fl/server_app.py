@@ -45,22 +45,45 @@ from fedprivacy.privacy.client_ledgers import ClientLedgers, event_from_metrics
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
 from fedprivacy.privacy.placement import local_upload_event
 from fedprivacy.privacy.release_log import ReleaseLog
-from fedprivacy.task import Task, data_provenance, load_task
+from fedprivacy.task import Task, data_provenance, ensure_data, load_task
 
 log = logging.getLogger(__name__)
 
 NODE_DISCOVERY_TIMEOUT_S = 600.0
+REGISTRATION_SETTLE_S = 5.0
+"""Once some SuperNodes are registered, how long their count may stay below the population before the
+run fails (a mismatch is an immediate error, not a 600 s wait)."""
 
 
-def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_TIMEOUT_S) -> list[int]:
+class PopulationMismatch(RuntimeError):
+    """The number of registered SuperNodes differs from the data's number of users."""
+
+
+def mismatch_message(nodes: int, population: int) -> str:
+    """The one-line error for ``nodes`` registered SuperNodes and ``population`` users."""
+    return (f"{nodes} SuperNodes registered but the data has {population} users: run with "
+            f"--federation-config \"num-supernodes={population}\" or set --run-config \"num-users={nodes}\" "
+            "(DP-FedAvg samples over, and accounts for, the whole population: one SuperNode per user)")
+
+
+def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_TIMEOUT_S,
+                   settle: float = REGISTRATION_SETTLE_S) -> list[int]:
     """Node id of each client index ``0..population-1``; waits until every node is registered.
 
     Sampling must range over the full population (invariant 5), so no round starts before all
-    nodes answer a ``query`` with their ``partition-id``.
+    nodes answer a ``query`` with their ``partition-id``. More nodes than users, or a count that
+    stays below the population for ``settle`` seconds once nodes have started to register, is a
+    :class:`PopulationMismatch` right away; no node at all within ``timeout`` is a ``TimeoutError``.
     """
     deadline = time.monotonic() + timeout
-    while len(node_ids := list(grid.get_node_ids())) < population:
-        if time.monotonic() > deadline:
+    seen, changed = -1, time.monotonic()
+    while len(node_ids := list(grid.get_node_ids())) != population:
+        now = time.monotonic()
+        if len(node_ids) != seen:
+            seen, changed = len(node_ids), now
+        if len(node_ids) > population or (node_ids and now - changed > settle):
+            raise PopulationMismatch(mismatch_message(len(node_ids), population))
+        if now > deadline:
             raise TimeoutError(f"only {len(node_ids)} of {population} nodes registered within {timeout:.0f}s")
         time.sleep(0.05)
     queries = [Message(RecordDict(), dst_node_id=n, message_type="query") for n in node_ids]
@@ -452,7 +475,11 @@ def build_server_app(cfg: RunConfig | None = None, resume: bool = False) -> Serv
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_cfg, run_resume = (cfg, resume) if cfg is not None else config_from_context(context)
+        if cfg is not None:
+            run_cfg, run_resume = cfg, resume
+        else:  # `flwr run`: the config comes from the run config, and nothing has prepared the data yet
+            run_cfg, run_resume = config_from_context(context)
+            ensure_data(run_cfg.data)
         server = DPFedAvgServer(run_cfg, load_task(run_cfg.data))
         server.run(grid, resume=run_resume)
 
