@@ -194,3 +194,17 @@ def test_flwr_run_in_the_project_root(tmp_path, small_data):
         assert unknown.returncode != 0 and "Invalid run configuration" in unknown.stdout + unknown.stderr
     finally:
         _stop(_local_superlinks(control_port))
+
+
+@pytest.mark.slow
+def test_the_server_app_generates_missing_default_data_then_checks_the_population(tmp_path, monkeypatch):
+    from flwr.app import Context, RecordDict
+
+    from fedprivacy.fl.server_app import app
+
+    monkeypatch.chdir(tmp_path)  # the default data.path, data/synthetic, is relative: an empty folder here
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={**DECLARED, "num-users": 3, "expected-cohort": 2, "output-dir": str(tmp_path / "run")})
+    with pytest.raises(PopulationMismatch, match="2 SuperNodes registered but the data has 3 users"):
+        app(grid=_FakeGrid(2), context=context)
+    assert (tmp_path / "data" / "synthetic" / "stackoverflow.sqlite").exists()
