@@ -449,6 +449,8 @@ class DPFedAvgServer:
         row["server_noise_std"] = agg.server_noise_std()
         if unclipped is not None:
             row["unclipped_fraction_released"] = unclipped
+        if isinstance(self.optimizer, ServerAdamBC):  # where bias correction can matter (notes/adambc.md §7)
+            row["adambc_floored_fraction"] = self.optimizer.floored_fraction
         row["uplink_bytes_per_client"] = _mean(replies.uplink, float("nan"))
         if self.cfg.client.compression is not None:
             row["residual_bytes_per_client"] = _mean(replies.residual_bytes, 0.0)

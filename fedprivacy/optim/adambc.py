@@ -107,6 +107,7 @@ class ServerAdamBC(AdaptiveServerOptimizer):
         self.phi_ema = 0.0  # Phi-bar_t, the EMA of the per-round Phi_t (module docstring)
         self.gamma_prime = gamma_prime
         self.corrected_v = corrected_v
+        self.floored_fraction = float("nan")  # share of coordinates whose v_hat - Phi hit gamma' at the last step
 
     def set_phi(self, phi: float) -> None:
         """Φ_t of the NEXT step's ``g`` (public: from the mechanism's parameters only)."""
@@ -124,6 +125,8 @@ class ServerAdamBC(AdaptiveServerOptimizer):
             shifted = (v / correction).sub_(self.phi_ema / correction)
         else:
             shifted = v - self.phi_ema
+        floored = shifted < self.gamma_prime
+        self.floored_fraction = floored.sum().item() / max(floored.numel(), 1)
         return shifted.clamp_(min=self.gamma_prime).sqrt_()
 
     def state_dict(self) -> dict:

@@ -50,6 +50,9 @@ def test_adaptive_servers_see_the_noise_and_the_epsilon_is_the_mechanisms(small_
         eps[name] = run(cfg)["epsilon_rdp"]
     sgd = small_config("rounds=2", f"output_dir={tmp_path / 'sgd'}")
     assert eps["adam"] == eps["adambc"] == run(sgd)["epsilon_rdp"]
+    floored = pd.read_csv(tmp_path / "adambc" / "metrics.csv")["adambc_floored_fraction"]
+    assert len(floored) == 2 and floored.between(0.0, 1.0).all()
+    assert "adambc_floored_fraction" not in pd.read_csv(tmp_path / "adam" / "metrics.csv")
 
 
 def test_settings_an_optimizer_does_not_read_are_refused(small_config):

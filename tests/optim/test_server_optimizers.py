@@ -386,3 +386,13 @@ def test_constructors_reject_bad_settings(make, match):
 def test_step_rejects_a_pseudo_gradient_of_another_shape():
     with pytest.raises(ValueError, match="shape"):
         ServerAdam(0.1).step_(torch.zeros(3), torch.zeros(4))
+
+
+def test_adambc_reports_the_share_of_coordinates_floored_at_gamma_prime():
+    opt = ServerAdamBC(0.1, phi=1.0, gamma_prime=0.01, beta2=0.99)
+    g = torch.tensor([0.0, 0.1, 10.0, 20.0])  # v_hat = g^2: 0, 0.01, 100, 400; minus Phi = 1
+    opt.step_(torch.zeros(4), g)
+    assert opt.floored_fraction == pytest.approx(0.5)
+    opt.set_phi(1e6)
+    opt.step_(torch.zeros(4), g)
+    assert opt.floored_fraction == 1.0
