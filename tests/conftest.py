@@ -1,5 +1,10 @@
-"""Shared fixtures: one small synthetic StackOverflow data set per test session."""
+"""Shared fixtures: one small synthetic StackOverflow data set per test session, fake GPUs, and the
+``flwr`` command with a private local SuperLink."""
 
+import os
+import signal
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +52,42 @@ def fake_gpus(monkeypatch):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     return fake
+
+
+def _local_superlinks(control_port: int) -> list[int]:
+    """Pids of the flower-superlink processes `flwr run` started for this control port (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"flower-superlink") for a in argv[:2]) and f"127.0.0.1:{control_port}".encode() in argv:
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def flwr_cli(tmp_path):
+    """``(flwr, env)``: the ``flwr`` next to this Python and an environment whose managed local SuperLink
+    listens on free ports with its own FLWR_HOME; every SuperLink it started is stopped afterwards."""
+    from fedprivacy.deploy.local import descendants, free_ports
+
+    if sys.platform != "linux":
+        pytest.skip("finds the local SuperLink through /proc")
+    flwr = Path(sys.executable).parent / "flwr"
+    if not flwr.exists() or shutil.which("flower-superlink", path=str(flwr.parent)) is None:
+        pytest.skip("flwr is not installed next to this Python")
+    http_port, control_port = free_ports(2)
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+           "PATH": f"{flwr.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    yield flwr, env
+    for pid in _local_superlinks(control_port):
+        for p in [pid, *descendants(pid)]:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass

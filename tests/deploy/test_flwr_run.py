@@ -4,11 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -134,44 +130,9 @@ def test_late_registrations_within_the_grace_period_are_waited_for(monkeypatch):
 
 
 # -- slow: the real `flwr run .` ------------------------------------------------------------------
-def _local_superlinks(control_port: int) -> list[int]:
-    """Pids of the flower-superlink processes `flwr run` started for this test's control port."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"flower-superlink") for a in argv[:2]) and f"127.0.0.1:{control_port}".encode() in argv:
-            pids.append(int(entry))
-    return pids
-
-
-def _stop(pids: list[int]) -> None:
-    from fedprivacy.deploy.local import descendants
-
-    for pid in pids:
-        for p in [pid, *descendants(pid)]:
-            try:
-                os.kill(p, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(sys.platform != "linux", reason="finds the local SuperLink through /proc")
-def test_flwr_run_in_the_project_root(tmp_path, small_data):
-    from fedprivacy.deploy.local import free_ports
-
-    flwr = Path(sys.executable).parent / "flwr"
-    if not flwr.exists() or shutil.which("flower-superlink", path=str(flwr.parent)) is None:
-        pytest.skip("flwr is not installed next to this Python")
-    http_port, control_port = free_ports(2)
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-           "PATH": f"{flwr.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+def test_flwr_run_in_the_project_root(tmp_path, small_data, flwr_cli):
+    flwr, env = flwr_cli
     out = tmp_path / "run"
 
     def flwr_run(supernodes: int, keys: str) -> subprocess.CompletedProcess:
@@ -181,19 +142,16 @@ def test_flwr_run_in_the_project_root(tmp_path, small_data):
 
     keys = (f"num-server-rounds=2 num-users=4 expected-cohort=2 noise-multiplier=0.5 "
             f"data-path='{small_data}' output-dir='{out}'")
-    try:
-        mismatch = flwr_run(3, keys)
-        assert '3 SuperNodes registered but the data has 4 users: run with --federation-config ' \
-               '"num-supernodes=4"' in mismatch.stdout + mismatch.stderr
-        assert not (out / "checkpoint.pt").exists()
-        done = flwr_run(4, keys)
-        assert (out / "summary.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
-        summary = json.loads((out / "summary.json").read_text())
-        assert (summary["rounds_completed"], summary["population"], summary["noise_multiplier"]) == (2, 4, 0.5)
-        unknown = flwr_run(4, "rounds=3")
-        assert unknown.returncode != 0 and "Invalid run configuration" in unknown.stdout + unknown.stderr
-    finally:
-        _stop(_local_superlinks(control_port))
+    mismatch = flwr_run(3, keys)
+    assert '3 SuperNodes registered but the data has 4 users: run with --federation-config ' \
+           '"num-supernodes=4"' in mismatch.stdout + mismatch.stderr
+    assert not (out / "checkpoint.pt").exists()
+    done = flwr_run(4, keys)
+    assert (out / "summary.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["rounds_completed"], summary["population"], summary["noise_multiplier"]) == (2, 4, 0.5)
+    unknown = flwr_run(4, "rounds=3")
+    assert unknown.returncode != 0 and "Invalid run configuration" in unknown.stdout + unknown.stderr
 
 
 @pytest.mark.slow

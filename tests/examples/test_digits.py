@@ -64,3 +64,17 @@ def test_the_users_data_is_non_iid_deterministic_and_disjoint_from_the_test_set(
     assert sum(len(set(y.tolist())) <= 2 for _, y in users) >= 90  # most users hold one or two digits
     x0, y0 = load_user(0, 100)
     assert (x0 == users[0][0]).all() and (y0 == users[0][1]).all()
+
+
+@pytest.mark.slow
+def test_the_app_runs_under_flwr_run_on_flowers_simulation_engine(tmp_path, flwr_cli):
+    """The same App, unchanged, under `flwr run` (Flower's local SuperLink and Simulation Engine)."""
+    flwr, env = flwr_cli
+    out = subprocess.run([str(flwr), "run", str(APP), "--stream", "--run-config",
+                          "num-users=10 expected-cohort=5 num-server-rounds=3",
+                          "--federation-config", "num-supernodes=10"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    match = REPORT.search(out.stdout + out.stderr)
+    assert match, (out.stdout + out.stderr)[-3000:]
+    accuracy, _, eps_rdp, eps_pld = map(float, match.groups())
+    assert 0 < eps_pld <= eps_rdp < math.inf and 0 <= accuracy <= 1
