@@ -16,10 +16,10 @@ Measured, with the goals checked (exit status 1 if one is missed):
 3. in-process vs a bare PyTorch loop of the same math (``benchmarks/bare_loop.py``): within 1.25x;
 4. population independence: in-process at ``--full-data`` (342,477 users) within 10% of 1,000 users
    (each the fastest of ``--repeat`` measurements);
-5. cohort scaling: in-process seconds per client at cohorts ``--cohorts`` (default 10, 100, 1000)
-   within 1.5x of each other ("roughly constant"). The bare loop is measured at the same cohorts
-   (no goal): its own spread shows what the round's fixed work (one Gaussian draw over all
-   5,000,500 coordinates, the server step) costs a small cohort with no framework at all.
+5. cohort scaling (restated by issue 24): in-process seconds per client within 1.25x of the bare loop's
+   AT EACH cohort of ``--cohorts`` (default 10, 100, 1000). The spread of per-client times across
+   cohorts is reported for both (no goal): at a small cohort the round's fixed work (one Gaussian draw
+   over all 5,000,500 coordinates, the server step) dominates for any implementation, the bare loop too.
 
     python benchmarks/so_tag_round.py [--rounds 6] [--only inprocess ray pfl bare population scaling]
         [--processes N] [--data data/synthetic] [--full-data data/so_full]
@@ -46,7 +46,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PFL_VENV = HERE / ".venv-pfl"
-GOALS = {"ray": 20.0, "pfl": 2.0, "bare": 1 / 1.25, "population": 1.10, "scaling": 1.5}
+GOALS = {"ray": 20.0, "pfl": 2.0, "bare": 1 / 1.25, "population": 1.10, "scaling": 1.25}
 
 
 def _config(engine: str, rounds: int, data: Path, out: Path, cohort: int, clients: int, processes: int = 1):
@@ -241,7 +241,7 @@ def main() -> int:
         ratios["bare_seconds_per_client_by_cohort"] = bare_per_client
         ratios["bare_cohort_scaling_spread"] = max(bare_per_client.values()) / min(bare_per_client.values())
         ratios["inprocess_over_bare_by_cohort"] = {m: per_client[m] / bare_per_client[m] for m in args.cohorts}
-        goals["scaling"] = ratios["cohort_scaling_spread"] <= GOALS["scaling"]
+        goals["scaling"] = max(ratios["inprocess_over_bare_by_cohort"].values()) <= GOALS["scaling"]
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios,
               "goals": {k: {"met": v, "target": GOALS[k]} for k, v in goals.items()}}
