@@ -38,6 +38,7 @@ from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
+from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
@@ -179,6 +180,7 @@ class DPFedAvgServer:
         self.mechanism = build_mechanism(cfg, self.population, self.mechanism_cls)
         self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model, self.mechanism)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
+        self.step = ServerStep(self.optimizer, self.disk)  # everything after the release (shared with DPFedAvg)
         self.client_ledgers = ClientLedgers()  # client-side guarantees (local noise, sample-level DP), per client
         self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
         self.round = 0
@@ -191,9 +193,8 @@ class DPFedAvgServer:
         return {
             "round": self.round,
             "params": self.params.cpu(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.step.state_dict(),  # optimizer, disk
             **self.mechanism.state_dict(),  # sampler, noise, ledger, adaptive_clip
-            "disk": self.disk.state_dict() if self.disk else None,
             "client_ledgers": self.client_ledgers.state_dict(),
             "empty_rounds": list(self.empty_rounds),
             "side_information": self.side_info.state_dict() if self.side_info else None,
@@ -204,10 +205,8 @@ class DPFedAvgServer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])
         self.params = state["params"].to(self.cfg.device)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.step.load_state_dict(state)
         self.mechanism.load_state_dict(state)
-        if self.disk:
-            self.disk.load_state_dict(state["disk"])
         self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})  # absent before placements existed
         self.empty_rounds = list(state.get("empty_rounds", []))
         if self.side_info:
@@ -299,20 +298,9 @@ class DPFedAvgServer:
         return summary
 
     def post_process(self, g: torch.Tensor, phi: float) -> None:
-        """Everything after the release, on ``g_t`` only (invariant 6): DiSK's filter if configured, the
-        server optimizer, and DiSK's record of the actual move. DP-FedAdamBC subtracts the noise variance
-        of what it is given: ``phi`` (this round's Phi_t), or DiSK's filtered ``V_t`` (:mod:`.optim.disk`)."""
-        if self.disk:
-            g = self.disk.filter_(g, phi)
-            phi = self.disk.noise_variance
-        if isinstance(self.optimizer, ServerAdamBC):
-            self.optimizer.set_phi(phi)
-        if self.disk:
-            before = self.params.clone()
-            self.optimizer.step_(self.params, g)
-            self.disk.record_(self.params - before)
-        else:
-            self.optimizer.step_(self.params, g)
+        """Everything after the release, on ``g_t`` only (invariant 6): :class:`ServerStep` (DiSK's
+        filter if configured, DP-FedAdamBC's Phi, the server optimizer); ``phi`` is this round's Phi_t."""
+        self.step.apply_(self.params, g, phi)
 
     def _accept(self, reply: Message, partition: int) -> tuple[SparseUpdate, dict[str, float]]:
         """A reply's update and its numeric metrics, or :class:`RejectedUpdate` with the reason. Composes
@@ -380,7 +368,7 @@ class DPFedAvgServer:
         if self.mechanism.epoch:  # a re-run of released rounds: simulated clients draw fresh noise streams too
             config["noise-epoch"] = self.mechanism.epoch
         content = {"arrays": vector_to_record(self.params, self.model)}
-        lookahead = self.disk.lookahead(self.params) if self.disk else None
+        lookahead = self.step.lookahead(self.params)
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
             content["lookahead"] = vector_to_record(lookahead, self.model)
             config["disk-c"] = self.disk.c

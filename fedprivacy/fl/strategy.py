@@ -18,9 +18,17 @@ Round ``t`` (McMahan et al. 2018, Alg. 1; ARCHITECTURE "One round, in order"):
 3. **clip** each ``u_i`` to C over ALL its float32 coordinates, **sum** unweighted, add **one**
    Gaussian draw ``N(0, z^2 C^2 I)``, divide by the EXPECTED cohort ``m``:
    ``g_t = (sum_i clip(u_i) + xi) / m``;
-4. **then** the server optimizer on ``g_t`` (post-processing; Flower's own DP wrappers add the
-   noise AFTER the wrapped strategy's step, which breaks adaptive optimizers);
+4. **then** :class:`~fedprivacy.optim.server_step.ServerStep` on ``g_t`` (post-processing, the
+   same step as fedprivacy's server): DiSK's filter if ``disk_kappa`` is set, then the server
+   optimizer (Flower's own DP wrappers add the noise AFTER the wrapped strategy's step, which
+   breaks adaptive optimizers);
 5. **account** the round; a ``target_epsilon`` stops the run before the round that would exceed it.
+
+DiSK (Zhang et al. 2024, arXiv:2410.03883, Alg. 3; :mod:`fedprivacy.optim.disk`): from round 2 the
+broadcast also carries ``"lookahead": x_t + gamma d_{t-1}`` and ``config["disk-c"] = c``; a client
+that trains from both points with the same data order sends ``c Delta(lookahead) + (1 - c) Delta(x_t)``
+(:func:`fedprivacy.optim.disk.disk_combination`); a client that ignores them sends ``Delta(x_t)`` and
+the strategy still filters. Either way the filter is post-processing: epsilon is unchanged.
 
 A reply the strategy cannot use (an error, other keys or shapes than the broadcast, another dtype,
 NaN/Inf) counts as zero, changes neither the noise nor the divisor, and is logged as a WARNING
@@ -41,8 +49,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays, record_to_update, vector_to_arrays
-from fedprivacy.optim.adambc import ServerAdamBC
+from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import make_server_optimizer
+from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.privacy.accounting import AccountantKind
 from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
@@ -67,6 +76,8 @@ class DPFedAvg(Strategy):
             ``adagrad``, ``adambc`` (Phi from the mechanism), ``microadam``.
         optimizer_settings: the optimizer's keyword settings (:func:`fedprivacy.optim.factory.make_server_optimizer`).
         adaptive_clipping: Andrew et al.'s quantile clip, or None.
+        disk_kappa: DiSK's filter gain kappa in (0, 1] (1: the optimizer alone), or None for no DiSK.
+        disk_gamma: DiSK's lookahead step gamma (non-zero).
         delta: the target delta (default ``1 / population``).
         target_epsilon: stop before the round that would exceed it under ``budget_accountant``.
         accountants: the epsilons reported each round.
@@ -78,6 +89,7 @@ class DPFedAvg(Strategy):
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
                  sampling: str = "poisson", placement: Placement = "central", optimizer: str = "sgd", lr: float = 1.0,
                  optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
+                 disk_kappa: float | None = None, disk_gamma: float = 0.5,
                  delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
                  seed: int = 0, secure_noise: bool = False, node_timeout: float = 600.0) -> None:
@@ -90,6 +102,7 @@ class DPFedAvg(Strategy):
             settings.setdefault("phi", self.mechanism.phi())
             settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
         self.optimizer = make_server_optimizer(optimizer, lr=lr, **settings)
+        self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
         self.delta = delta if delta is not None else 1.0 / population
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
@@ -117,11 +130,15 @@ class DPFedAvg(Strategy):
         nodes = self._population(grid)
         self._sent = float32_arrays(arrays)
         content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "server-round": server_round})})
+        lookahead = self.step.lookahead(arrays_to_vector(self._sent))
+        if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
+            content["lookahead"] = arrays_to_record(vector_to_arrays(lookahead, self._sent))
+            content["config"]["disk-c"] = self.step.disk.c
         return [Message(content, dst_node_id=nodes[i], message_type="train") for i in self.mechanism.sample()]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Clip, sum, ONE noise draw, fixed divisor, then the server optimizer: ``x_{t+1}``."""
+        """Clip, sum, ONE noise draw, fixed divisor, then :class:`ServerStep`: ``x_{t+1}``."""
         if self.stopped or self._sent is None:
             return None, None
         x = arrays_to_vector(self._sent)
@@ -137,9 +154,7 @@ class DPFedAvg(Strategy):
             log.warning("round %d: %s", server_round, line)
         phi = self.mechanism.phi()
         g, _ = self.mechanism.release(agg, server_round)
-        if isinstance(self.optimizer, ServerAdamBC):
-            self.optimizer.set_phi(phi)
-        self.optimizer.step_(x, g)
+        self.step.apply_(x, g, phi)
         metrics = {**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
                                                for k, v in self.epsilons().items()}}
         return arrays_to_record(vector_to_arrays(x, self._sent)), MetricRecord(metrics)

@@ -168,3 +168,46 @@ def test_topk_uplink_mod_sends_a_sparse_clipped_delta_and_keeps_the_residual_on_
     plain = _run(DPFedAvg(noise_multiplier=0.0, clip_norm=1e9, expected_cohort=5, population=5, sampling="fixed"),
                  _plain_client_app(), 5, rounds=1, lr=0.5)
     torch.testing.assert_close(_flat(full), _flat(plain))
+
+
+def _lookahead_spy(seen: list):
+    """A client mod recording each train message's round, model, DiSK lookahead and coefficient (or None)."""
+    def spy(msg, context, call_next):
+        ahead = msg.content.array_records.get("lookahead")
+        seen.append((int(msg.content["config"]["server-round"]), _flat(msg.content["arrays"]),
+                     None if ahead is None else _flat(ahead), msg.content["config"].get("disk-c")))
+        return call_next(msg, context)
+    return spy
+
+
+def test_disk_with_kappa_one_is_exactly_the_strategy_without_disk():
+    def strategy(**disk):
+        return DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=8, optimizer="adam",
+                        lr=0.05, optimizer_settings={"tau": 1e-3}, **disk)
+    seen: list = []
+    with_disk = _run(strategy(disk_kappa=1.0, disk_gamma=0.5), _plain_client_app(mods=[_lookahead_spy(seen)]), 8,
+                     rounds=3, lr=0.5)
+    without = _run(strategy(), _plain_client_app(), 8, rounds=3, lr=0.5)
+    assert torch.equal(_flat(with_disk), _flat(without))
+    assert seen and all(ahead is None for *_, ahead, _ in seen)  # kappa = 1: one pass, no lookahead sent
+
+
+def test_disk_filters_broadcasts_the_lookahead_feeds_adambc_the_filtered_phi_and_costs_no_epsilon():
+    """V_1 = Phi, V_2 = (1 - k)^2 Phi + k^2 Phi: with k = 0.7, V_2 = 0.58 Phi (optim/disk.py), and that is
+    what DP-FedAdamBC subtracts at round 2; the lookahead x_2 + gamma (x_2 - x_1) goes out in round 2."""
+    def strategy(**disk):
+        return DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=8, sampling="fixed",
+                        optimizer="adambc", lr=1e-3, delta=1e-3, **disk)
+    seen: list = []
+    disk = strategy(disk_kappa=0.7, disk_gamma=0.5)
+    _run(disk, _plain_client_app(mods=[_lookahead_spy(seen)]), 8, rounds=2, lr=0.5)
+    phi = disk.mechanism.phi()
+    assert phi == pytest.approx((1.0 * 1.0 / 4) ** 2)
+    assert disk.optimizer.phi == pytest.approx(0.58 * phi, rel=1e-12)  # filtered V_2, not Phi
+    (_, x1, a1, _), *_, (r2, x2, a2, c2) = seen
+    assert r2 == 2 and a1 is None and a2 is not None and c2 == pytest.approx((1 - 0.7) / (0.7 * 0.5))
+    torch.testing.assert_close(a2, x2 + 0.5 * (x2 - x1))  # d_1 recorded from the first round's actual move
+    plain = strategy()
+    _run(plain, _plain_client_app(), 8, rounds=2, lr=0.5)
+    assert plain.optimizer.phi == pytest.approx(phi, rel=1e-12)
+    assert disk.epsilons() == plain.epsilons()
