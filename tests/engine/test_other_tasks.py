@@ -39,3 +39,38 @@ def test_local_training_minimises_the_tasks_own_loss(small_config, task):
     torch.nn.utils.vector_to_parameters(vector + result.update.to_dense(), model.parameters())
     with torch.no_grad():
         assert float(t.loss(model(x), y)) < loss0
+
+
+def test_a_model_without_update_support_gets_a_dense_delta_equal_to_plain_sgd():
+    """No ``update_support``: the delta is dense (indices None) and is plain SGD from ``start_from``; x_t is restored."""
+    import copy
+
+    import numpy as np
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(10, 3), torch.randint(0, 2, (10,))
+    x_t = parameters_to_vector(model.parameters()).detach().clone()
+    start = x_t + 0.1
+
+    def loss_fn(logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    result = local_sgd(model, x, y, epochs=2, batch_size=4, lr=0.3, rng=client_generator(0, 1, 0), start_from=start,
+                       loss_fn=loss_fn)
+    reference = copy.deepcopy(model)
+    vector_to_parameters(start.clone(), reference.parameters())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.3)
+    rng = client_generator(0, 1, 0)
+    for _ in range(2):
+        order = rng.permutation(10)
+        for lo in range(0, 10, 4):
+            idx = order[lo:lo + 4]
+            opt.zero_grad()
+            loss_fn(reference(x[idx]), y[idx]).backward()
+            opt.step()
+    assert result.update.indices is None and result.update.dim == x_t.numel()
+    assert torch.equal(result.update.values, parameters_to_vector(reference.parameters()).detach() - start)
+    assert torch.equal(parameters_to_vector(model.parameters()).detach(), x_t)
+    assert np.isfinite(result.train_loss)
