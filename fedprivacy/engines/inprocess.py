@@ -10,6 +10,11 @@ so client-side state (uplink residuals) survives a crash as it would on a device
 
 A ClientApp that raises produces an error reply, as Flower's runtimes do, so the ServerApp
 treats it as a dropout (invariant 11).
+
+With a ``cohort`` (:class:`fedprivacy.engines.cohorts.CohortTrainer`, chosen by the run's
+``cohort_batching``), a batch of plain ``train`` messages is answered by training those clients
+together, chunk by chunk, instead of calling the ClientApp once per client; if that fails, the
+clients not yet answered run one at a time as usual.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -26,6 +32,9 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedprivacy.engines.processes import ProcessPool
+
+if TYPE_CHECKING:
+    from fedprivacy.engines.cohorts import CohortTrainer
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +46,16 @@ class InProcessGrid(Grid):
     """``num_nodes`` virtual SuperNodes with ``partition-id`` 0..num_nodes-1 and node id ``partition + 2``."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
-                 prefetch: Callable[[list[int]], None] | None = None, processes: int = 1) -> None:
+                 prefetch: Callable[[list[int]], None] | None = None, processes: int = 1,
+                 cohort: CohortTrainer | None = None) -> None:
         """``prefetch(partitions)``, if given, is called with the partitions a batch of ``train``
         messages is addressed to when the batch is pushed, before any of them runs (the task's
         read-ahead of those clients' data: :meth:`fedprivacy.task.TagPredictionTask.prefetch`).
         ``processes > 1`` forks ``processes - 1`` workers now (:mod:`.processes`) that run
-        ClientApps alongside this process; :meth:`close` stops them."""
+        ClientApps alongside this process; :meth:`close` stops them. ``cohort`` answers the batches
+        of ``train`` messages it handles (module docstring)."""
         self.client_app = client_app
+        self.cohort = cohort
         self.num_nodes = num_nodes
         self.prefetch = prefetch
         self._run = Run.create_empty(run_id=run_id)
@@ -101,6 +113,9 @@ class InProcessGrid(Grid):
         With worker processes, the batch's ClientApps run on all processes at once and the
         replies are still yielded in message order."""
         ids = list(self.push_messages(messages))
+        if self.cohort is not None and self.cohort.handles([self._pending[i] for i in ids]):
+            yield from self._cohort_replies([self._pending.pop(i) for i in ids])
+            return
         if self._pool is None:
             for message_id in ids:
                 yield from self.pull_messages([message_id])
@@ -111,6 +126,19 @@ class InProcessGrid(Grid):
         for (reply, state), node in zip(self._pool.run(batch, states), nodes):  # the pool's iterator runs to its end
             self._keep_state(node, state)
             yield reply
+
+    def _cohort_replies(self, batch: list[Message]) -> Iterator[Message]:
+        """The cohort's replies to ``batch``; after a failure, the rest one at a time (a failing one a dropout)."""
+        done = 0
+        try:
+            for reply in self.cohort.replies(batch):
+                done += 1
+                yield reply
+        except Exception as exc:  # noqa: BLE001 - the clients still train, one at a time
+            log.warning("training the cohort together failed (%s); the remaining %d clients train one at a time",
+                        exc, len(batch) - done)
+            for msg in batch[done:]:
+                yield self._deliver(msg)
 
     # -- node state (kept with the server's checkpoint) ----------------------------------------
     def node_state_dict(self) -> dict[int, RecordDict]:
@@ -160,10 +188,12 @@ class InProcessGrid(Grid):
 
 
 def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int,
-                  prefetch: Callable[[list[int]], None] | None = None, processes: int = 1) -> None:
+                  prefetch: Callable[[list[int]], None] | None = None, processes: int = 1,
+                  cohort: CohortTrainer | None = None) -> None:
     """Run ``server_app`` against ``num_nodes`` in-process SuperNodes running ``client_app`` on
-    ``processes`` processes (this one and ``processes - 1`` forked workers)."""
-    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch, processes=processes)
+    ``processes`` processes (this one and ``processes - 1`` forked workers), or, for the train
+    batches ``cohort`` handles, trained together."""
+    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch, processes=processes, cohort=cohort)
     TaskIdentity.run_id = grid.run.run_id
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = SERVER_NODE_ID

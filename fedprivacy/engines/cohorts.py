@@ -1,0 +1,135 @@
+"""The in-process engine's cohort batching: which runs train a round's clients together, and how.
+
+A round's ``train`` messages all carry the same broadcast :math:`x_t`; where the run's local
+training is plain SGD on a dense model (:func:`fedprivacy.client.cohort_training.unsupported_reason`
+and :func:`config_obstacle`), :class:`CohortTrainer` trains them in chunks with
+:func:`~fedprivacy.client.cohort_training.train_cohort` and builds each client's reply exactly as
+the ClientApp (:func:`fedprivacy.fl.client_app.build_client_app`) would: ``{"arrays": Delta_i,
+"metrics": {"train_loss", "num-examples"}}``, the same data order per ``(seed, round, client)``, the
+same values within float rounding. The server clips and noises each reply as before; nothing on
+the privacy path changes.
+
+How ``cohort_batching: auto`` chooses (:func:`cohort_trainer`), from the CPU measurements of
+``benchmarks/cohort_training.py`` (BENCHMARKS.md, "Cohorts trained together"): batching removes
+the per-step Python and dispatch cost of each client, but its working set is the whole chunk's
+stacked parameters instead of one model that stays in cache. It pays for small models (at most
+:data:`AUTO_MAX_PARAMETERS` parameters, e.g. the MLPs of user tasks) and loses for large ones:
+TFF's 4M-parameter next-word LSTM ran about 2x slower batched on the CPU (its matmul-written
+cell cannot use the fused ``aten::lstm`` kernel, which has no ``vmap`` rule), so ``auto`` leaves it
+one at a time; ``on`` still batches it (e.g. on a GPU, unmeasured here). The rule depends only on
+the config and the model, never on timings, so a run is reproducible bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+from flwr.app import Message, MetricRecord, RecordDict
+
+from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
+from fedprivacy.client.trainer import client_generator
+from fedprivacy.config import ConfigError, RunConfig
+from fedprivacy.fl.records import load_record_, update_to_record
+from fedprivacy.models.lstm import NextWordLSTM
+from fedprivacy.task import Task, load_task
+
+log = logging.getLogger(__name__)
+
+AUTO_MAX_PARAMETERS = 20_000
+"""``auto`` batches models of at most this many parameters (measured crossover on the CPU)."""
+CHUNK_BYTES = 4 << 20
+"""Clients per batched computation: as many as keep about this many bytes of stacked parameters
+(at least :data:`MIN_CHUNK`, at most :data:`MAX_CHUNK`), so a round of any cohort streams its
+replies chunk by chunk and the working set stays near the cache."""
+MIN_CHUNK, MAX_CHUNK = 8, 256
+
+
+def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
+    """Why ``cfg``'s clients cannot be trained together, naming the setting, or ``None``."""
+    if cfg.engine != "inprocess" or cfg.processes > 1:
+        return f"engine {cfg.engine!r} with processes={cfg.processes} (needs 'inprocess' with processes: 1)"
+    for name, value in (("client.sample_dp", cfg.client.sample_dp), ("client.adadps", cfg.client.adadps),
+                        ("client.compression", cfg.client.compression)):
+        if value is not None:
+            return f"{name} is set (per-client noise, preconditioner or residual state)"
+    if cfg.privacy.placement != "central":
+        return f"privacy.placement={cfg.privacy.placement!r} (clients add their own noise)"
+    if getattr(task, "closed_form_softmax", False):
+        return f"data.task={cfg.data.task!r} trains in closed form (its own fast path)"
+    if task.population == 0:
+        return "the task has no clients"
+    return unsupported_reason(task.new_model(cfg.device), *task.client_data(0))
+
+
+def chunk_size(model: torch.nn.Module) -> int:
+    """Clients per :func:`train_cohort` call for ``model`` (:data:`CHUNK_BYTES`)."""
+    per_client = 4 * sum(p.numel() for p in model.parameters())
+    return max(MIN_CHUNK, min(MAX_CHUNK, CHUNK_BYTES // per_client))
+
+
+class CohortTrainer:
+    """Replies to a round's ``train`` messages, their local SGD trained together in chunks."""
+
+    def __init__(self, cfg: RunConfig, task: Task) -> None:
+        self.cfg, self.task = cfg, task
+        self.model = task.new_model(cfg.device)
+        self.chunk = chunk_size(self.model)
+        self._loaded = None  # the broadcast record the model holds
+
+    @staticmethod
+    def handles(messages: Sequence[Message]) -> bool:
+        """Whether these are plain ``train`` messages (no DiSK lookahead) that :meth:`replies` answers."""
+        return bool(messages) and all(m.metadata.message_type == "train"
+                                      and "lookahead" not in m.content.array_records for m in messages)
+
+    def replies(self, messages: Sequence[Message]) -> Iterator[Message]:
+        """The ClientApp's reply to each message, in order, trained ``self.chunk`` clients at a time."""
+        for lo in range(0, len(messages), self.chunk):
+            yield from self._train(messages[lo:lo + self.chunk])
+
+    def _train(self, messages: Sequence[Message]) -> list[Message]:
+        c = self.cfg
+        record = messages[0].content["arrays"]
+        if any(m.content["arrays"] is not record for m in messages):
+            raise ValueError("a cohort's train messages carry different broadcasts")
+        if record is not self._loaded:
+            if not load_record_(self.model, record):
+                raise ValueError("broadcast arrays do not match the model's parameters")
+            self._loaded = record
+        partitions = [m.metadata.dst_node_id - 2 for m in messages]
+        rounds = [int(m.content["config"]["server-round"]) for m in messages]
+        results = train_cohort(self.model, [self.task.client_data(p) for p in partitions], epochs=c.client.epochs,
+                               batch_size=c.client.batch_size, lr=c.client.lr,
+                               rngs=[client_generator(c.seed, r, p) for r, p in zip(rounds, partitions)],
+                               loss_fn=self.task.loss)
+        return [Message(RecordDict({"arrays": update_to_record(r.update),
+                                    "metrics": MetricRecord({"train_loss": r.train_loss,
+                                                             "num-examples": r.num_examples})}), reply_to=m)
+                for m, r in zip(messages, results)]
+
+
+def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
+    """The run's :class:`CohortTrainer`, or ``None`` to train one client at a time.
+
+    ``cohort_batching``: ``off``, ``None``; ``on``, a trainer, or :class:`ConfigError` naming what
+    prevents it; ``auto``, a trainer when supported, the model has at most :data:`AUTO_MAX_PARAMETERS`
+    parameters and it is not the next-word LSTM (module docstring), else ``None``.
+    """
+    if cfg.cohort_batching == "off":
+        return None
+    task = load_task(cfg.data)
+    reason = config_obstacle(cfg, task)
+    if reason is not None:
+        if cfg.cohort_batching == "on":
+            raise ConfigError(f"cohort_batching='on' is not possible here: {reason}")
+        return None
+    trainer = CohortTrainer(cfg, task)
+    if cfg.cohort_batching == "auto":
+        size = sum(p.numel() for p in trainer.model.parameters())
+        if type(trainer.model) is NextWordLSTM or size > AUTO_MAX_PARAMETERS:
+            return None
+    log.info("training cohorts together, %d clients per batched step (cohort_batching=%s)", trainer.chunk,
+             cfg.cohort_batching)
+    return trainer
