@@ -42,9 +42,8 @@ from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
-from fedprivacy.privacy.client_ledgers import ClientLedgers, event_from_metrics
+from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
-from fedprivacy.privacy.placement import local_upload_event
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.task import Task, data_provenance, ensure_data, load_task
 
@@ -311,14 +310,12 @@ class DPFedAvgServer:
         p, content = self.cfg.privacy, reply.content
         metrics = {k: float(v) for k, v in (content.metric_records.get("metrics") or {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self.cfg.client.sample_dp is not None:  # its record-level DP steps
-            try:
-                step_event, steps, client_delta = event_from_metrics(content["metrics"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise RejectedUpdate("unaccounted", f"no valid sample-DP event ({err})") from None
-            self.client_ledgers.compose(partition, step_event, steps, delta=client_delta)
-        if p.placement == "local":  # the client released a noised upload
-            self.client_ledgers.compose(partition, local_upload_event(p.noise_multiplier))
+        try:  # its record-level DP steps; under local placement, its noised upload
+            self.client_ledgers.compose_reply(
+                partition, content.metric_records.get("metrics"), record_level=self.cfg.client.sample_dp is not None,
+                local_noise_multiplier=p.noise_multiplier if p.placement == "local" else None)
+        except ValueError as err:
+            raise RejectedUpdate("unaccounted", str(err)) from None
         return record_to_update(content.array_records.get("arrays"), self.params.numel(), self.cfg.device), metrics
 
     def _run_round(self, grid: Grid, nodes: list[int]) -> None:

@@ -30,6 +30,15 @@ that trains from both points with the same data order sends ``c Delta(lookahead)
 (:func:`fedprivacy.optim.disk.disk_combination`); a client that ignores them sends ``Delta(x_t)`` and
 the strategy still filters. Either way the filter is post-processing: epsilon is unchanged.
 
+Record-level DP reported by the clients (e.g. Opacus inside the ClientApp): a reply's ``metrics``
+``MetricRecord`` may carry the round's sample-level DP event in the contract of
+:func:`fedprivacy.privacy.client_ledgers.event_metrics`; the strategy validates it (untrusted input),
+composes it into that client's own ledger, and reports the largest client epsilon (at each client's own
+delta, recomputed from the events: a reported ``epsilon`` is never used) as ``client_epsilon_max``
+(:meth:`DPFedAvg.client_epsilons`). With ``record_level=True`` a reply without a valid event is
+rejected as ``unaccounted``; otherwise such an event is ignored. Under ``local`` placement each upload
+is a release of its own, composed likewise.
+
 A reply the strategy cannot use (an error, other keys or shapes than the broadcast, another dtype,
 NaN/Inf) counts as zero, changes neither the noise nor the divisor, and is logged as a WARNING
 with its reason; the round's ``MetricRecord`` counts rejections by reason.
@@ -54,6 +63,7 @@ from fedprivacy.optim.factory import make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.privacy.accounting import AccountantKind
 from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
 from fedprivacy.privacy.placement import Placement
 
@@ -78,6 +88,7 @@ class DPFedAvg(Strategy):
         adaptive_clipping: Andrew et al.'s quantile clip, or None.
         disk_kappa: DiSK's filter gain kappa in (0, 1] (1: the optimizer alone), or None for no DiSK.
         disk_gamma: DiSK's lookahead step gamma (non-zero).
+        record_level: the clients train with record-level DP and must report its event (above).
         delta: the target delta (default ``1 / population``).
         target_epsilon: stop before the round that would exceed it under ``budget_accountant``.
         accountants: the epsilons reported each round.
@@ -90,7 +101,7 @@ class DPFedAvg(Strategy):
                  sampling: str = "poisson", placement: Placement = "central", optimizer: str = "sgd", lr: float = 1.0,
                  optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
-                 delta: float | None = None, target_epsilon: float | None = None,
+                 record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
                  seed: int = 0, secure_noise: bool = False, node_timeout: float = 600.0) -> None:
         self.mechanism = GaussianMechanism(
@@ -107,6 +118,8 @@ class DPFedAvg(Strategy):
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
         self.node_timeout = node_timeout
+        self.record_level = record_level
+        self.client_ledgers = ClientLedgers()  # client-side releases (record-level DP, local noise), per node id
         self.stopped = False
         self._nodes: list[int] | None = None
         self._sent: dict[str, np.ndarray] | None = None
@@ -145,7 +158,7 @@ class DPFedAvg(Strategy):
         agg = self.mechanism.aggregator(x.numel())
         for reply in replies:
             try:
-                update = self._update(reply, x)
+                update = self._accept(reply, x)
             except RejectedUpdate as err:
                 agg.reject(err.reason, f"node {reply.metadata.src_node_id}", str(err))
                 continue
@@ -157,6 +170,8 @@ class DPFedAvg(Strategy):
         self.step.apply_(x, g, phi)
         metrics = {**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
                                                for k, v in self.epsilons().items()}}
+        if len(self.client_ledgers):
+            metrics["client_epsilon_max"] = max(self.client_epsilons().values())
         return arrays_to_record(vector_to_arrays(x, self._sent)), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -171,6 +186,11 @@ class DPFedAvg(Strategy):
     def epsilons(self) -> dict[str, float | None]:
         """Epsilon spent so far at ``delta`` under each of ``accountants``."""
         return self.mechanism.epsilons(self.delta, self.accountants)
+
+    def client_epsilons(self, kind: AccountantKind | None = None) -> dict[int, float]:
+        """Each client's (node id's) own epsilon from its client-side releases so far, at its own delta
+        (else the run's), under ``kind`` (default ``budget_accountant``); empty if none reported any."""
+        return self.client_ledgers.epsilons(self.delta, kind or self.budget_accountant)
 
     # -- internals ----------------------------------------------------------------------------
     def _population(self, grid: Grid) -> list[int]:
@@ -188,10 +208,21 @@ class DPFedAvg(Strategy):
             self._nodes = ids
         return self._nodes
 
-    def _update(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
-        """The reply's update: full weights minus the broadcast, or a sparse delta; else RejectedUpdate."""
+    def _accept(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
+        """Account the client-side releases the reply reports, then decode its update; else RejectedUpdate."""
         if reply.has_error():
             raise RejectedUpdate("failed", reply.error.reason)
+        m = self.mechanism
+        try:
+            self.client_ledgers.compose_reply(
+                reply.metadata.src_node_id, reply.content.metric_records.get("metrics"), record_level=self.record_level,
+                local_noise_multiplier=m.noise_multiplier if m.placement == "local" else None)
+        except ValueError as err:
+            raise RejectedUpdate("unaccounted", str(err)) from None
+        return self._update(reply, x)
+
+    def _update(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
+        """The reply's update: full weights minus the broadcast, or a sparse delta; else RejectedUpdate."""
         record = reply.content.array_records.get("arrays")
         if isinstance(record, ArrayRecord) and list(record.keys()) == list(self._sent):
             try:

@@ -32,6 +32,7 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon, json_epsilon
+from fedprivacy.privacy.placement import local_upload_event
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,31 @@ class ClientLedgers:
         self._ledgers.setdefault(client, PrivacyLedger()).compose(event, count)
         if delta is not None:
             self._deltas[client] = delta
+
+    def compose_reply(self, client: int, metrics: Any, *, record_level: bool,
+                      local_noise_multiplier: float | None = None) -> bool:
+        """Compose the client-side releases one reply accounts for into ``client``'s ledger; whether a
+        sample-level DP event was composed.
+
+        ``metrics``: the reply's (untrusted) metrics. Its sample-level DP event (:func:`event_from_metrics`:
+        ``steps`` x ``GaussianRound(z, poisson, n, B)`` at the client's own delta) is composed when valid.
+        With ``record_level`` (the run requires record-level DP), a missing or invalid event raises
+        ``ValueError`` naming the bad field (the caller rejects the reply as unaccounted); without it, such
+        an event is ignored (a client that claims nothing valid is accounted nothing). A client's reported
+        epsilon is never used: epsilons are recomputed from the events. ``local_noise_multiplier``: under
+        local placement the upload itself is a Gaussian release (:func:`~.placement.local_upload_event`).
+        """
+        try:
+            event, steps, delta = event_from_metrics(metrics)
+        except ValueError as err:
+            if record_level:
+                raise ValueError(f"no valid sample-DP event ({err})") from None
+            event = None
+        if event is not None:
+            self.compose(client, event, steps, delta=delta)
+        if local_noise_multiplier is not None:
+            self.compose(client, local_upload_event(local_noise_multiplier))
+        return event is not None
 
     def delta(self, client: int, default: float) -> float:
         """The delta of ``client``'s epsilon: its own, else ``default`` (the run's)."""

@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from torch import nn
 
 from fedprivacy.engines.inprocess import run_inprocess
@@ -48,18 +48,21 @@ def _plain_client_app(reply=None, mods=None) -> ClientApp:
     return app
 
 
-def _run(strategy, client_app: ClientApp, nodes: int, rounds: int, lr: float) -> ArrayRecord:
+def _start(strategy, client_app: ClientApp, nodes: int, rounds: int, lr: float) -> Result:
     out = {}
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(_model().state_dict()), num_rounds=rounds,
-                                train_config=ConfigRecord({"lr": lr}))
-        out["arrays"] = result.arrays
+        out["result"] = strategy.start(grid=grid, initial_arrays=ArrayRecord(_model().state_dict()),
+                                       num_rounds=rounds, train_config=ConfigRecord({"lr": lr}))
 
     run_inprocess(app, client_app, nodes)
-    return out["arrays"]
+    return out["result"]
+
+
+def _run(strategy, client_app: ClientApp, nodes: int, rounds: int, lr: float) -> ArrayRecord:
+    return _start(strategy, client_app, nodes, rounds, lr).arrays
 
 
 def _flat(arrays: ArrayRecord) -> torch.Tensor:
@@ -211,3 +214,67 @@ def test_disk_filters_broadcasts_the_lookahead_feeds_adambc_the_filtered_phi_and
     _run(plain, _plain_client_app(), 8, rounds=2, lr=0.5)
     assert plain.optimizer.phi == pytest.approx(phi, rel=1e-12)
     assert disk.epsilons() == plain.epsilons()
+
+
+def _reporting(**fields):
+    """A reply hook adding a sample-level DP event to the metrics: ``event_metrics`` of 5 steps of
+    GaussianRound(1.0, poisson, 100, 10) at delta 1e-3, claiming epsilon 0.01, with ``fields`` changed
+    (None: left out)."""
+    from types import SimpleNamespace
+
+    from fedprivacy.privacy.accounting import GaussianRound
+    from fedprivacy.privacy.client_ledgers import event_metrics
+
+    reported = event_metrics(SimpleNamespace(event=GaussianRound(1.0, "poisson", 100, 10.0), steps=5,
+                                             target_delta=1e-3, epsilon=0.01))
+    for name, value in fields.items():
+        reported.pop(f"sample-dp-{name}")
+        if value is not None:
+            reported[f"sample-dp-{name}"] = value
+
+    def reply(content: RecordDict) -> RecordDict:
+        content["metrics"] = MetricRecord({**content["metrics"], **reported})
+        return content
+    return reply
+
+
+def _record_level(required: bool) -> DPFedAvg:
+    return DPFedAvg(noise_multiplier=0.0, clip_norm=1e9, expected_cohort=4, population=4, sampling="fixed",
+                    record_level=required, delta=1e-2)
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_a_valid_client_event_is_composed_per_client_and_its_claimed_epsilon_is_not_believed(required):
+    strategy = _record_level(required)
+    result = _start(strategy, _plain_client_app(_reporting()), 4, rounds=2, lr=0.5)
+    truth = epsilon_for("poisson", 0.1, 1.0, 10, 1e-3, "rdp")  # 2 rounds x 5 steps, at the client's own delta
+    eps = strategy.client_epsilons()
+    assert len(eps) == 4 and all(e == pytest.approx(truth, rel=1e-12) for e in eps.values())
+    assert truth > 0.5  # the claimed 0.01 was a lie, and ignored
+    assert result.train_metrics_clientapp[2]["client_epsilon_max"] == pytest.approx(truth, rel=1e-12)
+    assert result.train_metrics_clientapp[1]["client_epsilon_max"] < truth
+    assert not torch.equal(_flat(result.arrays), _flat(ArrayRecord(_model().state_dict())))  # accepted
+
+
+@pytest.mark.parametrize("bad", [{"steps": 0}, {"delta": 2.0}, {"noise-multiplier": float("nan")},
+                                 {"population": 2.5}, {"steps": None}, {"noise-multiplier": -1.0}])
+def test_a_lying_or_missing_event_is_rejected_as_unaccounted_when_record_level_is_required(bad, caplog):
+    strategy = _record_level(True)
+    with caplog.at_level(logging.WARNING):
+        result = _start(strategy, _plain_client_app(_reporting(**bad)), 4, rounds=1, lr=0.5)
+    assert torch.equal(_flat(result.arrays), _flat(ArrayRecord(_model().state_dict())))  # every update zero
+    assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 4
+    assert any("4 update(s) rejected as zero (unaccounted)" in r.getMessage() for r in caplog.records)
+    assert strategy.client_epsilons() == {} and "client_epsilon_max" not in result.train_metrics_clientapp[1]
+
+
+def test_without_record_level_a_missing_or_invalid_event_is_ignored_and_the_update_kept():
+    for hook in (None, _reporting(steps=0)):
+        strategy = _record_level(False)
+        result = _start(strategy, _plain_client_app(hook), 4, rounds=1, lr=0.5)
+        assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 0
+        assert not torch.equal(_flat(result.arrays), _flat(ArrayRecord(_model().state_dict())))
+        assert strategy.client_epsilons() == {}
+    required = _record_level(True)
+    result = _start(required, _plain_client_app(), 4, rounds=1, lr=0.5)  # no event at all, but required
+    assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 4 and required.client_epsilons() == {}
