@@ -82,9 +82,28 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from fedprivacy.experiments import write_report
+    from fedprivacy.experiments.docs import export_summary, stale_tables, update_docs
+    from fedprivacy.experiments.results import load_results
 
-    print(f"report: {write_report(args.run_dir)}")
-    return 0
+    if (args.run_dir is None) == (not args.docs):
+        print("fedprivacy: error: report takes a study folder or --docs FILE..., not both", file=sys.stderr)
+        return EXIT_USAGE
+    if args.run_dir is not None:
+        print(f"report: {write_report(args.run_dir)}")
+        if args.summary:
+            print(f"summary: {export_summary(load_results(args.run_dir), args.summary)}")
+        return 0
+    stale = 0
+    for doc in args.docs:
+        if args.check:
+            names = stale_tables(doc, args.results)
+            stale += len(names)
+            for name in names:
+                print(f"fedprivacy: {doc}: table {name} differs from {args.results}/{name.split(':')[0]}.json "
+                      "(regenerate with: fedprivacy report --docs " + doc + ")", file=sys.stderr)
+        elif update_docs(doc, args.results):
+            print(f"updated: {doc}")
+    return 1 if stale else 0
 
 
 def _cmd_epsilon(args: argparse.Namespace) -> int:
@@ -224,7 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs")
-    p.add_argument("run_dir", help="the study's output folder (holds study.json)")
+    p.add_argument("run_dir", nargs="?", help="the study's output folder (holds study.json)")
+    p.add_argument("--summary", metavar="JSON", help="also write the study's stored summary (one record per "
+                                                     "finished run), e.g. docs/results/<study>.json")
+    p.add_argument("--docs", nargs="+", metavar="FILE", help="instead: regenerate the tables marked "
+                   "<!-- table:NAME --> ... <!-- /table:NAME --> in these Markdown files from --results/NAME.json")
+    p.add_argument("--results", default="docs/results", help="folder of the stored summaries (default: docs/results)")
+    p.add_argument("--check", action="store_true", help="with --docs: change nothing, exit 1 if a table differs")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("epsilon", help="epsilon of the (subsampled) Gaussian mechanism, as JSON")

@@ -1,8 +1,8 @@
-"""Study (a): AdaDPS's federated StackOverflow setup on the synthetic data, end to end.
+"""Study (a): AdaDPS's federated StackOverflow protocol on the TFF-shaped synthetic data, end to end.
 
-400 users, 20 per round, sigma 0.3, 40 rounds, delta 1/400 (local training 5 epochs of batch 10, see
-docs/STUDIES.md); DP-FedAvg(M), DP-FedAdam, DP-FedAdamBC, AdaDPS, server DiSK and server DP-MicroAdam
-at one budget, 3 seeds: data, 33 runs, tables, figures and report.md in runs/study_a.
+400 users, 20 per round, sigma 0.3, 40 rounds, delta 1/400, 1 local epoch of batch 100, server lr 1;
+DP-FedAvg, DP-FedAdam and AdaDPS with the clip C tuned per method on held-out users, 5 seeds: data,
+90 runs, tables, figures and report.md in runs/study_a_adadps_federated (docs/STUDIES.md).
 
     python simulations/study_a_adadps_federated.py [--jobs 2] [--set seeds=[0]]
 """

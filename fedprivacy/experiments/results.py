@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fedprivacy.config import build_config
+from fedprivacy.experiments.heldout import heldout_metrics
 from fedprivacy.experiments.study import (TASK_METRICS, StudyConfig, better, build_study, hparams_label,
                                           selection_rule, study_metric)
 from fedprivacy.experiments.sweep import ERROR_FILE, RUN_RECORD, read_manifest, read_summary, run_state
@@ -137,6 +139,14 @@ def _best(series: pd.Series, mode: str) -> float:
     return float(values.max() if mode == "max" else values.min())
 
 
+def _last_rounds_mean(metrics: pd.DataFrame, column: str, last: int) -> float:
+    """Mean of ``column`` over the last ``last`` rounds of ``metrics`` (NaN rows skipped; NaN if none)."""
+    if column not in metrics or not len(metrics):
+        return math.nan
+    values = metrics.loc[metrics["round"] > metrics["round"].max() - last, column].dropna()
+    return float(values.mean()) if len(values) else math.nan
+
+
 def _wall_seconds(folder: Path) -> float:
     try:
         attempts = json.loads((folder / RUN_RECORD).read_text())["attempts"]
@@ -177,8 +187,15 @@ def load_results(output_dir: str | Path) -> StudyResults:
         row[f"final_{metric}"] = _final(col)
         row[f"best_{metric}"] = _best(col, better(metric))
         row["final_test_loss"] = _final(metrics.get("test_loss", pd.Series(dtype=float)))
-        sel = metrics.get(sel_metric, pd.Series(dtype=float))
-        row["selection_score"] = _final(sel) if at == "final" else _best(sel, mode)
+        if study.selection.split == "heldout":
+            row["selection_score"] = (heldout_metrics(folder, build_config(r["config"], source=r["run_id"]),
+                                                      study.selection.heldout_clients)[sel_metric]
+                                      if summary is not None else math.nan)
+        else:
+            sel = metrics.get(sel_metric, pd.Series(dtype=float))
+            row["selection_score"] = _final(sel) if at == "final" else _best(sel, mode)
+        for spec in study.columns:
+            row[spec.name] = _last_rounds_mean(metrics, spec.column, spec.last_rounds)
         eps = {k: math.nan for k in ACCOUNTANTS}
         if summary is not None:
             ledger = run_ledger(folder)
@@ -201,21 +218,25 @@ def load_results(output_dir: str | Path) -> StudyResults:
         if f"hp.{k}" in tidy:
             tidy[f"hp.{k}"] = _hp_value(tidy[f"hp.{k}"].tolist())
     tidy = tidy[lead + [c for c in tidy.columns if c not in lead]]
-    grid = _grid(runs, metric, mode)
-    summary = _summary(runs, grid, metric)
+    extra = [spec.name for spec in study.columns]
+    grid = _grid(runs, metric, mode, extra)
+    summary = _summary(runs, grid, metric, extra)
     return StudyResults(output_dir, study, metric, (sel_metric, mode, at), man, tidy, runs, grid, summary, ledgers)
 
 
-def _grid(runs: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
+def _grid(runs: pd.DataFrame, metric: str, mode: str, extra: list[str] = ()) -> pd.DataFrame:
+    """One row per method x budget x grid point: mean and std over seeds of the final and best metric,
+    the selection score and every ``extra`` column, and whether the selection picked the point."""
     done = runs[runs["finished"]]
     keys = ["method", "budget", "hparams"]
     if not len(done):
         return pd.DataFrame(columns=keys + ["n_seeds", "selected"])
     g = done.groupby(keys, sort=False)
+    stats = {f"{c}_{s}": (c, s) for c in extra for s in ("mean", "std")}
     grid = g.agg(n_seeds=("seed", "size"),
                  final_mean=(f"final_{metric}", "mean"), final_std=(f"final_{metric}", "std"),
                  best_mean=(f"best_{metric}", "mean"), best_std=(f"best_{metric}", "std"),
-                 score_mean=("selection_score", "mean"), score_std=("selection_score", "std")).reset_index()
+                 score_mean=("selection_score", "mean"), score_std=("selection_score", "std"), **stats).reset_index()
     grid = grid.rename(columns={"final_mean": f"final_{metric}_mean", "final_std": f"final_{metric}_std",
                                 "best_mean": f"best_{metric}_mean", "best_std": f"best_{metric}_std"})
     grid["selected"] = False
@@ -226,7 +247,7 @@ def _grid(runs: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
     return grid
 
 
-def _summary(runs: pd.DataFrame, grid: pd.DataFrame, metric: str) -> pd.DataFrame:
+def _summary(runs: pd.DataFrame, grid: pd.DataFrame, metric: str, extra: list[str] = ()) -> pd.DataFrame:
     picked = grid[grid["selected"]]
     out = []
     for _, cell in picked.iterrows():
@@ -237,6 +258,8 @@ def _summary(runs: pd.DataFrame, grid: pd.DataFrame, metric: str) -> pd.DataFram
                     "hparams": cell["hparams"], "grid_points": n_points, "n_seeds": int(cell["n_seeds"]),
                     f"final_{metric}_mean": cell[f"final_{metric}_mean"], f"final_{metric}_std": cell[f"final_{metric}_std"],
                     f"best_{metric}_mean": cell[f"best_{metric}_mean"], f"best_{metric}_std": cell[f"best_{metric}_std"],
+                    "selection_score_mean": cell["score_mean"], "selection_score_std": cell["score_std"],
+                    **{f"{c}_{s}": cell[f"{c}_{s}"] for c in extra for s in ("mean", "std")},
                     **{f"epsilon_{k}": sel[f"epsilon_{k}"].mean() for k in ACCOUNTANTS},
                     "noise_multiplier": sel["noise_multiplier"].mean(), "rounds": sel["rounds_completed"].mean(),
                     "majority_baseline": sel["majority_baseline"].mean(),

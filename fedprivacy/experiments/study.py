@@ -106,11 +106,43 @@ class SelectionSpec(_Section):
     """How each method's grid point is picked per budget (mean over seeds of ``metric`` at ``at``)."""
 
     metric: str | None = None
-    """A ``metrics.csv`` column; default: the study's metric."""
+    """A ``metrics.csv`` column; default: the study's metric. With ``split: heldout``, the test metric
+    whose held-out counterpart is used (``test_accuracy`` -> ``heldout_accuracy``)."""
     mode: Literal["max", "min"] | None = None
     """Best is the largest or the smallest; default: min for losses, max otherwise."""
     at: Literal["final", "best"] = "final"
     """final: the last evaluated value of the run; best: the best value over its rounds."""
+    split: Literal["test", "heldout"] = "test"
+    """test: the metric as the run logged it (on its evaluation split); heldout: the run's final model
+    evaluated on the data's held-out users (TFF's ``heldout`` split: users disjoint from the training and
+    test users, :mod:`fedprivacy.experiments.heldout`), so the selection does not bias the test metric."""
+    heldout_clients: int | None = Field(None, ge=1)
+    """``split: heldout``: evaluate on the first this many held-out users (None: all of them)."""
+
+    @model_validator(mode="after")
+    def _heldout_is_final(self) -> SelectionSpec:
+        if self.split == "heldout" and self.at != "final":
+            raise ValueError("selection.at must be 'final' with selection.split=heldout (only the final model "
+                             "is stored, so only it can be evaluated on held-out users)")
+        if self.split == "test" and self.heldout_clients is not None:
+            raise ValueError("selection.heldout_clients applies only with selection.split=heldout")
+        return self
+
+
+class ColumnSpec(_Section):
+    """An extra per-run table column: the mean of a ``metrics.csv`` column over the run's last rounds
+    (e.g. DP-FedAdamBC's ``adambc_floored_fraction``); averaged over seeds like the metric."""
+
+    column: str
+    """A ``metrics.csv`` column."""
+    last_rounds: int = Field(1, ge=1)
+    """Average over the rounds ``R - last_rounds + 1 .. R`` of a run that completed ``R`` rounds (NaN
+    values, rounds where the column was not logged, are skipped)."""
+
+    @property
+    def name(self) -> str:
+        """The column's name in the tables: ``<column>_last<last_rounds>``."""
+        return f"{self.column}_last{self.last_rounds}"
 
 
 class StudyConfig(_Section):
@@ -127,6 +159,8 @@ class StudyConfig(_Section):
     metric: str | None = None
     """Headline ``metrics.csv`` column; default from ``data.task`` (:data:`TASK_METRICS`)."""
     selection: SelectionSpec = SelectionSpec()
+    columns: list[ColumnSpec] = []
+    """Extra per-run columns of the tables (:class:`ColumnSpec`)."""
 
     @field_validator("seeds")
     @classmethod
@@ -249,9 +283,17 @@ def better(metric: str) -> str:
     return "min" if metric.endswith("loss") else "max"
 
 
+def heldout_name(metric: str) -> str:
+    """The held-out counterpart of a test metric: ``test_accuracy`` -> ``heldout_accuracy``."""
+    return "heldout_" + metric.removeprefix("test_")
+
+
 def selection_rule(study: StudyConfig, metric: str) -> tuple[str, str, str]:
-    """``(metric, mode, at)`` of the grid selection with the defaults filled in."""
+    """``(metric, mode, at)`` of the grid selection with the defaults filled in (with ``split: heldout``,
+    the metric is the held-out one, e.g. ``heldout_accuracy``)."""
     sel_metric = study.selection.metric or metric
+    if study.selection.split == "heldout":
+        sel_metric = heldout_name(sel_metric)
     return sel_metric, study.selection.mode or better(sel_metric), study.selection.at
 
 
