@@ -11,13 +11,16 @@ the privacy path changes.
 
 How ``cohort_batching: auto`` chooses (:func:`cohort_trainer`), from the CPU measurements of
 ``benchmarks/cohort_training.py`` (BENCHMARKS.md, "Cohorts trained together"): batching removes
-the per-step Python and dispatch cost of each client, but its working set is the whole chunk's
-stacked parameters instead of one model that stays in cache. It pays for small models (at most
-:data:`AUTO_MAX_PARAMETERS` parameters, e.g. the MLPs of user tasks) and loses for large ones:
-TFF's 4M-parameter next-word LSTM ran about 2x slower batched on the CPU (its matmul-written
-cell cannot use the fused ``aten::lstm`` kernel, which has no ``vmap`` rule), so ``auto`` leaves it
-one at a time; ``on`` still batches it (e.g. on a GPU, unmeasured here). The rule depends only on
-the config and the model, never on timings, so a run is reproducible bit for bit.
+the per-step Python and dispatch cost of each client, but adds a fixed cost per step and batch
+size (a ``vmap``-ed forward and backward) and its working set is the whole chunk's stacked
+parameters instead of one model that stays in cache. It paid for small models (at most
+:data:`AUTO_MAX_PARAMETERS` parameters, e.g. the MLPs of user tasks: 2.6-3.5x for 2,410
+parameters at cohorts 100-1,000) in cohorts of at least :data:`AUTO_MIN_COHORT` expected
+clients (at 10 it was at par), and lost for larger models (0.5x at 76,810 parameters); TFF's
+4M-parameter next-word LSTM ran about 2x slower batched on the CPU (its matmul-written cell cannot
+use the fused ``aten::lstm`` kernel, which has no ``vmap`` rule), so ``auto`` leaves it one at a
+time; ``on`` still batches it (e.g. on a GPU, unmeasured here). The rule depends only on the
+config and the model, never on timings, so a run is reproducible bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 
 AUTO_MAX_PARAMETERS = 20_000
 """``auto`` batches models of at most this many parameters (measured crossover on the CPU)."""
+AUTO_MIN_COHORT = 50
+"""``auto`` batches runs whose ``privacy.expected_cohort`` is at least this."""
 CHUNK_BYTES = 4 << 20
 """Clients per batched computation: as many as keep about this many bytes of stacked parameters
 (at least :data:`MIN_CHUNK`, at most :data:`MAX_CHUNK`), so a round of any cohort streams its
@@ -115,7 +120,8 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
 
     ``cohort_batching``: ``off``, ``None``; ``on``, a trainer, or :class:`ConfigError` naming what
     prevents it; ``auto``, a trainer when supported, the model has at most :data:`AUTO_MAX_PARAMETERS`
-    parameters and it is not the next-word LSTM (module docstring), else ``None``.
+    parameters, it is not the next-word LSTM and ``privacy.expected_cohort`` is at least
+    :data:`AUTO_MIN_COHORT` (module docstring), else ``None``.
     """
     if cfg.cohort_batching == "off":
         return None
@@ -128,7 +134,8 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
     trainer = CohortTrainer(cfg, task)
     if cfg.cohort_batching == "auto":
         size = sum(p.numel() for p in trainer.model.parameters())
-        if type(trainer.model) is NextWordLSTM or size > AUTO_MAX_PARAMETERS:
+        if (type(trainer.model) is NextWordLSTM or size > AUTO_MAX_PARAMETERS
+                or cfg.privacy.expected_cohort < AUTO_MIN_COHORT):
             return None
     log.info("training cohorts together, %d clients per batched step (cohort_batching=%s)", trainer.chunk,
              cfg.cohort_batching)

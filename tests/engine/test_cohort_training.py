@@ -1,18 +1,23 @@
 """Cohorts trained together (issue 24, item 3): the batched local SGD equals one-at-a-time training."""
 
-import logging
 import textwrap
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from fedprivacy.client.cohort_training import lstm_forward, train_cohort, unsupported_reason
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import ConfigError, build_config
 from fedprivacy.data.next_word import special_tokens
-from fedprivacy.engines.cohorts import cohort_trainer
+from fedprivacy.engines import cohorts
+from fedprivacy.engines.cohorts import AUTO_MIN_COHORT, cohort_trainer
+from fedprivacy.engines.inprocess import InProcessGrid
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.run import run
 from fedprivacy.task import NextWordTask, load_task
@@ -145,26 +150,43 @@ def test_what_cannot_be_trained_together_is_named():
                      rngs=[np.random.default_rng(0)], loss_fn=nn.functional.mse_loss)
 
 
-def test_auto_trains_a_small_model_together_and_the_run_matches_one_at_a_time(mlp_task, tmp_path, caplog):
-    def config(mode):
-        return build_config({"rounds": 3, "eval_every": 3, "output_dir": str(tmp_path / mode),
-                             "cohort_batching": mode, "data": {"task": mlp_task},
-                             "client": {"epochs": 2, "batch_size": 4, "lr": 0.5},
-                             "privacy": {"clip_norm": 1.0, "noise_multiplier": 0.3, "expected_cohort": 12,
-                                         "accountants": ["rdp"]}})
+def _run_config(task, mode, tmp_path, cohort=12):
+    return build_config({"rounds": 3, "eval_every": 3, "output_dir": str(tmp_path / mode),
+                         "cohort_batching": mode, "data": {"task": task},
+                         "client": {"epochs": 2, "batch_size": 4, "lr": 0.5},
+                         "privacy": {"clip_norm": 1.0, "noise_multiplier": 0.3, "expected_cohort": cohort,
+                                     "accountants": ["rdp"]}})
 
-    with caplog.at_level(logging.INFO, logger="fedprivacy.engines.cohorts"):
-        together = run(config("auto"))
-    assert "training cohorts together" in caplog.text
-    alone = run(config("off"))
+
+def test_a_run_trained_together_matches_one_at_a_time(mlp_task, tmp_path, monkeypatch):
+    trained = []
+
+    def counting(model, clients, **kw):
+        trained.append(len(clients))
+        return train_cohort(model, clients, **kw)
+
+    monkeypatch.setattr(cohorts, "train_cohort", counting)
+    together = run(_run_config(mlp_task, "on", tmp_path))
+    sampled = pd.read_csv(tmp_path / "on" / "metrics.csv")["cohort_sampled"]
+    assert trained == sampled.astype(int).tolist() and len(trained) == 3  # every round's clients, in one cohort
+    alone = run(_run_config(mlp_task, "off", tmp_path))
     assert together["epsilon_rdp"] == alone["epsilon_rdp"]
     assert together["cohort_accepted"] == alone["cohort_accepted"]
-    a, b = (torch.load(tmp_path / mode / "final_model.pt") for mode in ("auto", "off"))
+    a, b = (torch.load(tmp_path / mode / "final_model.pt") for mode in ("on", "off"))
     initial = torch.load(tmp_path / "off" / "initial_model.pt")
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-5), name
         assert not torch.equal(b[name], initial[name])
     assert together["test_accuracy"] == pytest.approx(alone["test_accuracy"], abs=1e-2)
+
+
+def test_auto_trains_small_models_in_large_cohorts_together(mlp_task, small_config, tmp_path):
+    assert cohort_trainer(_run_config(mlp_task, "auto", tmp_path, cohort=AUTO_MIN_COHORT)) is not None
+    assert cohort_trainer(_run_config(mlp_task, "auto", tmp_path, cohort=AUTO_MIN_COHORT - 1)) is None
+    assert cohort_trainer(_run_config(mlp_task, "off", tmp_path, cohort=AUTO_MIN_COHORT)) is None
+    # the 4M-parameter LSTM is slower batched on the CPU: auto leaves it alone, on batches it
+    assert cohort_trainer(small_config("data.task=next_word", "privacy.expected_cohort=100")) is None
+    assert cohort_trainer(small_config("data.task=next_word", "cohort_batching=on")) is not None
 
 
 def test_on_is_refused_where_clients_cannot_be_trained_together(small_config, mlp_task):
@@ -176,5 +198,29 @@ def test_on_is_refused_where_clients_cannot_be_trained_together(small_config, ml
     with pytest.raises(ConfigError, match="cohort_batching"):
         build_config({"cohort_batching": "on", "processes": 2})
     assert build_config({}, ["cohort_batching=off"]).cohort_batching == "off"  # YAML's boolean off
-    assert cohort_trainer(small_config("data.task=next_word")) is None  # auto: the LSTM is slower batched on CPU
-    assert cohort_trainer(small_config("data.task=next_word", "cohort_batching=on")) is not None
+
+
+def test_after_a_cohort_fails_the_rest_of_its_clients_train_one_at_a_time():
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        return Message(RecordDict({"r": ConfigRecord({"by": "client app"})}), reply_to=msg)
+
+    class FailsAfterTwo:
+        @staticmethod
+        def handles(messages):
+            return True
+
+        @staticmethod
+        def replies(messages):
+            for msg in messages[:2]:
+                yield Message(RecordDict({"r": ConfigRecord({"by": "cohort"})}), reply_to=msg)
+            raise RuntimeError("out of memory")
+
+    grid = InProcessGrid(app, num_nodes=5, cohort=FailsAfterTwo())
+    replies = list(grid.send_and_receive([Message(RecordDict(), dst_node_id=n, message_type="train")
+                                          for n in range(2, 7)]))
+    assert [r.metadata.src_node_id for r in replies] == list(range(2, 7))
+    assert [r.content["r"]["by"] for r in replies] == ["cohort"] * 2 + ["client app"] * 3
