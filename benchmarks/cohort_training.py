@@ -6,7 +6,8 @@
 For each model and cohort size, the same clients (same data, same batch orders from
 ``client_generator``) train with :func:`fedprivacy.client.trainer.local_sgd` one after another
 (the in-process engine's path) and with :func:`fedprivacy.client.cohort_training.train_cohort` in
-the engine's chunks (:func:`fedprivacy.engines.cohorts.chunk_size`). Passes of the two are
+the engine's chunks (:func:`~fedprivacy.engines.cohorts.chunks_by_size` of
+:func:`~fedprivacy.engines.cohorts.chunk_size`). Passes of the two are
 interleaved, alternating which goes first, after one warm-up pass each; prints the median and the
 range over ``--repeat`` passes and the ratio of medians (> 1: batched is faster). torch 1 thread.
 
@@ -42,7 +43,7 @@ from torch import nn
 from fedprivacy.client.cohort_training import train_cohort
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import build_config
-from fedprivacy.engines.cohorts import chunk_size
+from fedprivacy.engines.cohorts import chunk_size, chunks_by_size
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.run import run
 from fedprivacy.task import NextWordTask
@@ -72,10 +73,9 @@ def _one_at_a_time(model, clients, loss_fn, batch_size) -> None:
 
 
 def _together(model, clients, loss_fn, batch_size) -> None:
-    chunk = chunk_size(model)
-    for lo in range(0, len(clients), chunk):
-        train_cohort(model, clients[lo:lo + chunk], epochs=1, batch_size=batch_size, lr=0.1, loss_fn=loss_fn,
-                     rngs=[client_generator(0, 1, i) for i in range(lo, min(lo + chunk, len(clients)))])
+    for part in chunks_by_size([len(y) for _, y in clients], chunk_size(model)):
+        train_cohort(model, [clients[i] for i in part], epochs=1, batch_size=batch_size, lr=0.1, loss_fn=loss_fn,
+                     rngs=[client_generator(0, 1, i) for i in part])
 
 
 def _measure(name: str, workload, repeat: int) -> None:

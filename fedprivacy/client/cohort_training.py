@@ -98,7 +98,7 @@ def unsupported_reason(model: nn.Module, features: Any = None, labels: Any = Non
 
 
 def _padded_batches(values: np.ndarray | torch.Tensor, index: np.ndarray, batch_size: int,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device | str) -> torch.Tensor:
     """``values[index]`` as ``(steps, batch_size, ...)`` on ``device`` (pad rows are never read)."""
     rows = torch.as_tensor(values[index.ravel()])
     return rows.reshape(len(index), batch_size, *rows.shape[1:]).to(device)
@@ -154,8 +154,9 @@ def train_cohort(model: nn.Module, clients: Sequence[tuple[Any, Any]], *, epochs
     for i in order:
         features, labels = clients[i]
         xs.append(_pad_steps(_padded_batches(features, indices[i], batch_size, device), total))
-        ys.append(_pad_steps(_padded_batches(labels, indices[i], batch_size, device), total))
-    x, y = torch.stack(xs), torch.stack(ys)
+        ys.append(_pad_steps(_padded_batches(labels, indices[i], batch_size, "cpu"), total))
+    x, y_host = torch.stack(xs), torch.stack(ys)  # labels: on the host for a per-client numpy loss
+    y = y_host.to(device)
     label_is_numpy = isinstance(clients[0][1], np.ndarray)
     stack = [p.unsqueeze(0).repeat(len(clients), *([1] * p.dim())) for p in start]
     loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=device)
@@ -172,9 +173,9 @@ def train_cohort(model: nn.Module, clients: Sequence[tuple[Any, Any]], *, epochs
                 vmap_loss = _loss_vmaps(loss_fn, logits, targets)
             if vmap_loss:
                 losses = vmap(loss_fn, randomness="error")(logits, targets)
-            else:
-                losses = torch.stack([loss_fn(logit, target.cpu().numpy() if label_is_numpy else target)
-                                      for logit, target in zip(logits, targets)])
+            else:  # numpy targets come from the host copy: no wait for the device
+                host = y_host[where, j, :size].numpy() if label_is_numpy else targets
+                losses = torch.stack([loss_fn(logit, target) for logit, target in zip(logits, host)])
             grads = torch.autograd.grad(losses.sum(), params)
             with torch.no_grad():
                 for s, p, g in zip(stack, params, grads):
@@ -184,11 +185,12 @@ def train_cohort(model: nn.Module, clients: Sequence[tuple[Any, Any]], *, epochs
                         s.index_copy_(0, index, p.detach().add_(g, alpha=-lr))
                 loss_sum[index] += losses.detach().double() * size
     results = [None] * len(clients)
+    loss_sums = loss_sum.tolist()  # one read from the device
     for row, i in enumerate(order):
         delta = torch.cat([(s[row] - p).reshape(-1) for s, p in zip(stack, start)])
         examples = int(counts[i]) * epochs
         results[i] = LocalResult(update=SparseUpdate.dense(delta),
-                                 train_loss=float(loss_sum[row]) / examples if examples else 0.0,
+                                 train_loss=loss_sums[row] / examples if examples else 0.0,
                                  num_examples=int(counts[i]))
     return results
 

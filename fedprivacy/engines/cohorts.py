@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
@@ -74,6 +75,14 @@ def chunk_size(model: torch.nn.Module) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, CHUNK_BYTES // per_client))
 
 
+def chunks_by_size(sizes: Sequence[int], chunk: int) -> list[list[int]]:
+    """Positions ``0..len(sizes)-1`` in chunks of at most ``chunk``, the most examples first: a
+    chunk then holds clients of similar step counts, so its padded batches stay small and few
+    steps need more than one batch size (ties keep their order)."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    return [order[lo:lo + chunk] for lo in range(0, len(order), chunk)]
+
+
 class CohortTrainer:
     """Replies to a round's ``train`` messages, their local SGD trained together in chunks."""
 
@@ -90,11 +99,12 @@ class CohortTrainer:
                                       and "lookahead" not in m.content.array_records for m in messages)
 
     def replies(self, messages: Sequence[Message]) -> Iterator[Message]:
-        """The ClientApp's reply to each message, in order, trained ``self.chunk`` clients at a time."""
-        for lo in range(0, len(messages), self.chunk):
-            yield from self._train(messages[lo:lo + self.chunk])
+        """The ClientApp's reply to each message, trained in :func:`chunks_by_size` of ``self.chunk``."""
+        data = [self.task.client_data(m.metadata.dst_node_id - 2) for m in messages]
+        for part in chunks_by_size([len(labels) for _, labels in data], self.chunk):
+            yield from self._train([messages[i] for i in part], [data[i] for i in part])
 
-    def _train(self, messages: Sequence[Message]) -> list[Message]:
+    def _train(self, messages: Sequence[Message], data: Sequence[tuple[Any, Any]]) -> list[Message]:
         c = self.cfg
         record = messages[0].content["arrays"]
         if any(m.content["arrays"] is not record for m in messages):
@@ -105,7 +115,7 @@ class CohortTrainer:
             self._loaded = record
         partitions = [m.metadata.dst_node_id - 2 for m in messages]
         rounds = [int(m.content["config"]["server-round"]) for m in messages]
-        results = train_cohort(self.model, [self.task.client_data(p) for p in partitions], epochs=c.client.epochs,
+        results = train_cohort(self.model, data, epochs=c.client.epochs,
                                batch_size=c.client.batch_size, lr=c.client.lr,
                                rngs=[client_generator(c.seed, r, p) for r, p in zip(rounds, partitions)],
                                loss_fn=self.task.loss)

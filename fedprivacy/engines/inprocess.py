@@ -13,8 +13,9 @@ treats it as a dropout (invariant 11).
 
 With a ``cohort`` (:class:`fedprivacy.engines.cohorts.CohortTrainer`, chosen by the run's
 ``cohort_batching``), a batch of plain ``train`` messages is answered by training those clients
-together, chunk by chunk, instead of calling the ClientApp once per client; if that fails, the
-clients not yet answered run one at a time as usual.
+together, chunk by chunk, instead of calling the ClientApp once per client (the replies come in
+the cohort's order, as they would from a real grid); if that fails, the clients not yet answered
+run one at a time as usual.
 """
 
 from __future__ import annotations
@@ -129,15 +130,16 @@ class InProcessGrid(Grid):
 
     def _cohort_replies(self, batch: list[Message]) -> Iterator[Message]:
         """The cohort's replies to ``batch``; after a failure, the rest one at a time (a failing one a dropout)."""
-        done = 0
+        answered = set()
         try:
             for reply in self.cohort.replies(batch):
-                done += 1
+                answered.add(reply.metadata.reply_to_message_id)
                 yield reply
         except Exception as exc:  # noqa: BLE001 - the clients still train, one at a time
+            rest = [m for m in batch if m.metadata.message_id not in answered]
             log.warning("training the cohort together failed (%s); the remaining %d clients train one at a time",
-                        exc, len(batch) - done)
-            for msg in batch[done:]:
+                        exc, len(rest))
+            for msg in rest:
                 yield self._deliver(msg)
 
     # -- node state (kept with the server's checkpoint) ----------------------------------------
