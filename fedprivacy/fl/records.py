@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 import struct
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common.constant import SType
 from torch import nn
 
@@ -133,6 +134,36 @@ def record_to_update(record: object, dim: int, device: str | torch.device = "cpu
     if indices.ndim != 1:
         raise RejectedUpdate("malformed", f"indices of shape {indices.shape}")
     return SparseUpdate(_tensor(indices).to(device, torch.int64), vals, dim)  # int32: widened (a copy)
+
+
+def reply_content(reply: Message) -> RecordDict:
+    """A reply's content, or :class:`RejectedUpdate` ``"failed"`` with its error's reason."""
+    if reply.has_error():
+        raise RejectedUpdate("failed", reply.error.reason)
+    return reply.content
+
+
+def reply_to_update(content: RecordDict, x: torch.Tensor, layout: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
+    """The update ``u`` in a reply's ``"arrays"`` against the broadcast ``x`` (flat, laid out as ``layout``:
+    parameter name -> shape, in the broadcast's order); the one triage of the server and the strategy.
+
+    - keyed exactly as the broadcast: the client's full weights ``w`` (Flower's convention), so
+      ``u = w - x``, concatenated in ``layout``'s order; each array must be float32 (else ``"dtype"``)
+      of the broadcast's shape (else ``"malformed"``); one copy of ``w`` (and ``u`` is on ``x``'s device);
+    - anything else: fedprivacy's delta contract (:func:`record_to_update`; zero-copy views on the CPU).
+
+    A model whose parameters are named exactly ``values`` (and ``indices``) would read as full weights.
+    """
+    record = content.array_records.get("arrays")
+    if isinstance(record, ArrayRecord) and record.keys() == layout.keys():
+        parts = []
+        for name, shape in layout.items():
+            w = _contract_view(record, name, ("float32",))
+            if w.shape != tuple(shape):
+                raise RejectedUpdate("malformed", f"{name}: float32{w.shape}, sent float32{tuple(shape)}")
+            parts.append(_tensor(w).reshape(-1))
+        return SparseUpdate.dense(torch.cat(parts).to(x.device).sub_(x))
+    return record_to_update(record, x.numel(), x.device)
 
 
 def _contract_view(record: ArrayRecord, key: str, dtypes: tuple[str, ...]) -> np.ndarray:

@@ -31,7 +31,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.config import MicroAdamConfig, RunConfig
-from fedprivacy.fl.records import record_nbytes, record_to_update, vector_to_record
+from fedprivacy.fl.records import record_nbytes, reply_content, reply_to_update, vector_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import VERSION as SIDE_INFO_VERSION
 from fedprivacy.fl.side_information import SideInformationBroadcast
@@ -176,6 +176,7 @@ class DPFedAvgServer:
         self.delta = p.delta if p.delta is not None else 1.0 / self.claim_population
         self.model = task.new_model(cfg.device)
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
+        self.layout = {name: tuple(p.shape) for name, p in self.model.named_parameters()}  # of the broadcast
         self.mechanism = build_mechanism(cfg, self.population, self.mechanism_cls)
         self.optimizer = build_server_optimizer(cfg, self.params.numel(), self.model, self.mechanism)
         self.disk = DiskFilter(cfg.server.disk.kappa, cfg.server.disk.gamma) if cfg.server.disk else None
@@ -302,21 +303,20 @@ class DPFedAvgServer:
         self.step.apply_(self.params, g, phi)
 
     def _accept(self, reply: Message, partition: int) -> tuple[SparseUpdate, dict[str, float]]:
-        """A reply's update and its numeric metrics, or :class:`RejectedUpdate` with the reason. Composes
-        the client-side releases it reports (local noise, record-level DP) into that client's ledger:
+        """A reply's update (:func:`~fedprivacy.fl.records.reply_to_update`: a fedprivacy delta, or Flower-style
+        full weights minus ``x_t``) and its numeric metrics, or :class:`RejectedUpdate` with the reason. Composes
+        the client-side releases it reports (local noise, record-level DP) into that client's ledger first:
         a client that trained with record-level DP but reports no valid event is rejected."""
-        if reply.has_error():
-            raise RejectedUpdate("failed", reply.error.reason)
-        p, content = self.cfg.privacy, reply.content
-        metrics = {k: float(v) for k, v in (content.metric_records.get("metrics") or {}).items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        try:  # its record-level DP steps; under local placement, its noised upload
+        content, p = reply_content(reply), self.cfg.privacy
+        reported = content.metric_records.get("metrics") or {}
+        try:
             self.client_ledgers.compose_reply(
-                partition, content.metric_records.get("metrics"), record_level=self.cfg.client.sample_dp is not None,
+                partition, reported, record_level=self.cfg.client.sample_dp is not None,
                 local_noise_multiplier=p.noise_multiplier if p.placement == "local" else None)
         except ValueError as err:
             raise RejectedUpdate("unaccounted", str(err)) from None
-        return record_to_update(content.array_records.get("arrays"), self.params.numel(), self.cfg.device), metrics
+        metrics = {k: float(v) for k, v in reported.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return reply_to_update(content, self.params, self.layout), metrics
 
     def _run_round(self, grid: Grid, nodes: list[int]) -> None:
         """One round, top-down as in ARCHITECTURE.md: sample, broadcast, clip and sum the replies as they

@@ -14,7 +14,7 @@ Round ``t`` (McMahan et al. 2018, Alg. 1; ARCHITECTURE "One round, in order"):
    that (:class:`~fedprivacy.privacy.mechanism.GaussianMechanism`);
 2. **broadcast** ``x_t``; each reply is either the client's full weights (Flower's convention: the
    strategy takes ``u_i = w_i - x_t`` against what it sent) or fedprivacy's sparse delta
-   (``{"indices", "values"}``, :func:`~fedprivacy.fl.records.record_to_update`);
+   (``{"indices", "values"}``), one triage with fedprivacy's server (:func:`~fedprivacy.fl.records.reply_to_update`);
 3. **clip** each ``u_i`` to C over ALL its float32 coordinates, **sum** unweighted, add **one**
    Gaussian draw ``N(0, z^2 C^2 I)``, divide by the EXPECTED cohort ``m``:
    ``g_t = (sum_i clip(u_i) + xi) / m``;
@@ -57,7 +57,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays, record_to_update, vector_to_arrays
+from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, reply_content, reply_to_update,
+                                   vector_to_arrays)
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
@@ -209,30 +210,13 @@ class DPFedAvg(Strategy):
         return self._nodes
 
     def _accept(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
-        """Account the client-side releases the reply reports, then decode its update; else RejectedUpdate."""
-        if reply.has_error():
-            raise RejectedUpdate("failed", reply.error.reason)
-        m = self.mechanism
+        """Account the client-side releases the reply reports, then its update: full weights minus the
+        broadcast, or a sparse delta (:func:`~fedprivacy.fl.records.reply_to_update`); else RejectedUpdate."""
+        content, m = reply_content(reply), self.mechanism
         try:
             self.client_ledgers.compose_reply(
-                reply.metadata.src_node_id, reply.content.metric_records.get("metrics"), record_level=self.record_level,
+                reply.metadata.src_node_id, content.metric_records.get("metrics"), record_level=self.record_level,
                 local_noise_multiplier=m.noise_multiplier if m.placement == "local" else None)
         except ValueError as err:
             raise RejectedUpdate("unaccounted", str(err)) from None
-        return self._update(reply, x)
-
-    def _update(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
-        """The reply's update: full weights minus the broadcast, or a sparse delta; else RejectedUpdate."""
-        record = reply.content.array_records.get("arrays")
-        if isinstance(record, ArrayRecord) and list(record.keys()) == list(self._sent):
-            try:
-                weights = record_to_arrays(record)
-            except ValueError as err:
-                raise RejectedUpdate("dtype", str(err)) from None
-            for name, sent in self._sent.items():
-                if weights[name].dtype != np.float32 or weights[name].shape != sent.shape:
-                    raise RejectedUpdate("dtype" if weights[name].shape == sent.shape else "malformed",
-                                         f"{name}: {weights[name].dtype}{weights[name].shape}, "
-                                         f"sent float32{sent.shape}")
-            return SparseUpdate.dense(arrays_to_vector(weights) - x)
-        return record_to_update(record, x.numel())
+        return reply_to_update(content, x, {name: a.shape for name, a in self._sent.items()})
