@@ -23,7 +23,8 @@ One round of ``T`` steps on ``n`` records is ``T`` Poisson-subsampled Gaussian m
 
 The event and ``T`` are read from the accountant Opacus hooked to the optimizer (the steps actually
 taken), and :meth:`RecordDP.metrics` is exactly :func:`~fedprivacy.privacy.client_ledgers.event_metrics`
-of them, whose inverse :func:`~fedprivacy.privacy.client_ledgers.event_from_metrics` the server applies;
+of them, whose inverse :func:`~fedprivacy.privacy.client_ledgers.event_from_metrics` the server applies
+(``DPFedAvg(record_level=True)`` composes each client's events over its rounds: ``client_epsilons()``);
 ``sample-dp-epsilon`` in it is this participation's ε at the client's own δ_i (for display; the server
 composes the events, it does not add epsilons). δ_i is fedprivacy's policy
 (:func:`fedprivacy.client.sample_dp.client_delta`: ``f / n`` unless a fixed ``target_delta`` is given;

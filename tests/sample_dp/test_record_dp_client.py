@@ -143,25 +143,52 @@ def _call(app: ClientApp, model: nn.Module) -> Message:
 
 
 def test_a_stock_client_app_replies_weights_and_the_accountable_event():
+    sent = _model()
+    reply = _call(_record_dp_client_app(), sent)
+    assert not reply.has_error(), reply.error
+    event, steps, delta = event_from_metrics(reply.content["metrics"])
+    assert (event.noise_multiplier, event.population, event.q, steps, delta) == (1.0, N, 0.25, 4, 0.1 / N)
+    assert reply.content["metrics"]["sample-dp-epsilon"] == pytest.approx(epsilon([(event, steps)], delta, "rdp"))
+    received = reply.content["arrays"].to_torch_state_dict()
+    assert received.keys() == sent.state_dict().keys()  # the user's model, not Opacus' wrapper
+    assert not all(torch.equal(received[k], v) for k, v in sent.state_dict().items())
+
+
+def _record_dp_client_app() -> ClientApp:
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         model = _model()
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        dp, _ = _train(model, passes=2, noise_multiplier=1.0)
+        dp, _ = _train(model, noise_multiplier=1.0)
         return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
                                    "metrics": MetricRecord({"num-examples": N, **dp.metrics()})}), reply_to=msg)
 
-    sent = _model()
-    reply = _call(app, sent)
-    assert not reply.has_error(), reply.error
-    event, steps, delta = event_from_metrics(reply.content["metrics"])
-    assert (event.noise_multiplier, event.population, event.q, steps, delta) == (1.0, N, 0.25, 8, 0.1 / N)
-    assert reply.content["metrics"]["sample-dp-epsilon"] == pytest.approx(epsilon([(event, steps)], delta, "rdp"))
-    received = reply.content["arrays"].to_torch_state_dict()
-    assert received.keys() == sent.state_dict().keys()  # the user's model, not Opacus' wrapper
-    assert not all(torch.equal(received[k], v) for k, v in sent.state_dict().items())
+    return app
+
+
+def test_dpfedavg_composes_each_clients_reported_event_over_its_rounds():
+    """4 clients, each in both rounds: each ledger holds 2 x 4 steps of the event Opacus accounted, at delta_i."""
+    from flwr.serverapp import Grid, ServerApp
+
+    from fedprivacy.engines.inprocess import run_inprocess
+    from fedprivacy.fl.strategy import DPFedAvg
+
+    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=4, sampling="fixed",
+                        record_level=True)
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(_model().state_dict()), num_rounds=2,
+                       train_config=ConfigRecord())
+
+    run_inprocess(server, _record_dp_client_app(), 4)
+    event = _train(_model(), noise_multiplier=1.0)[0].event
+    expected = epsilon([(event, 8)], 0.1 / N, "rdp")
+    eps = strategy.client_epsilons("rdp")
+    assert len(eps) == 4 and all(v == pytest.approx(expected, rel=1e-9) for v in eps.values())
 
 
 def test_the_readme_record_dp_client_runs():
