@@ -115,12 +115,17 @@ def test_the_next_word_lstm_trained_together_equals_one_at_a_time(small_config):
                          _together(model, clients, NextWordTask.loss, **kw), atol=1e-6)
 
 
-def test_the_matmul_lstm_cell_is_torchs_lstm():
+def test_the_batched_lstm_and_its_backpropagation_through_time_are_torchs_lstm():
     torch.manual_seed(0)
-    model = NextWordLSTM(30, embedding_size=5, lstm_size=7)
+    model = NextWordLSTM(30, embedding_size=5, lstm_size=7).double()
     tokens = torch.randint(0, 30, (3, 9))
+    weights = torch.randn(3, 9, 30, dtype=torch.float64)
     params = dict(model.named_parameters())
-    assert torch.allclose(lstm_forward(params, tokens), model(tokens), atol=1e-6)
+    ours, torchs = lstm_forward(params, tokens), model(tokens)
+    assert torch.allclose(ours, torchs, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((ours * weights).sum(), list(params.values())),
+                    torch.autograd.grad((torchs * weights).sum(), list(params.values()))):
+        assert torch.allclose(a, b, atol=1e-12)
 
 
 def test_a_masked_step_leaves_a_clients_parameters_exactly_unchanged():
