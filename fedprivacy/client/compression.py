@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedprivacy.optim.microadam import dequantize_4bit, quantize_4bit
+from fedprivacy.optim.microadam import dequantize_4bit, quantize_4bit, top_k_per_block
 from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.clipping import clip_scale, float32_exact_scale, l2_norm_bound
 
@@ -129,17 +129,14 @@ def _owed(update: SparseUpdate, residual: Residual | None) -> tuple[torch.Tensor
 def _top_k(indices: torch.Tensor, values: torch.Tensor, density: float,
            tensor_sizes: Sequence[int] | None, dim: int) -> torch.Tensor:
     """Positions (into ``values``, increasing) of the top-k magnitudes: ``ceil(density * dim)`` overall, or
-    ``ceil(density * n_p)`` within each parameter tensor's coordinates (``tensor_sizes``, in flat order)."""
-    magnitude = values.abs()
+    ``ceil(density * n_p)`` within each parameter tensor's coordinates (``tensor_sizes``, in flat order)
+    (:func:`~fedprivacy.optim.microadam.top_k_per_block` over the entries each tensor holds)."""
     if tensor_sizes is None:
-        groups = [(0, len(values), math.ceil(density * dim))]
-    else:
-        bounds = torch.tensor([0, *np.cumsum(tensor_sizes)], dtype=torch.int64)
-        cuts = torch.searchsorted(indices, bounds).tolist()
-        groups = [(cuts[p], cuts[p + 1], math.ceil(density * n)) for p, n in enumerate(tensor_sizes)]
-    picked = [lo + torch.topk(magnitude[lo:hi], min(k, hi - lo), sorted=False).indices
-              for lo, hi, k in groups if hi > lo]
-    return torch.sort(torch.cat(picked)).values if picked else torch.zeros(0, dtype=torch.int64)
+        return top_k_per_block(values, [len(values)], [math.ceil(density * dim)])
+    bounds = torch.tensor([0, *np.cumsum(tensor_sizes)], dtype=torch.int64)
+    cuts = torch.searchsorted(indices, bounds).tolist()
+    return top_k_per_block(values, [hi - lo for lo, hi in zip(cuts, cuts[1:])],
+                           [math.ceil(density * n) for n in tensor_sizes])
 
 
 def compress(update: SparseUpdate, residual: Residual | None, *, density: float, clip_norm: float,

@@ -171,15 +171,24 @@ def top_k(
     sizes = [d] if per_tensor_sizes is None else [int(n) for n in per_tensor_sizes]
     if sum(sizes) != d or min(sizes) < 1:
         raise ValueError(f"per_tensor_sizes {sizes} do not partition a vector of length {d}")
-    magnitude = x.abs()
-    selected = torch.zeros(d, dtype=torch.bool, device=x.device)
-    offset = 0
-    for n, k_b in zip(sizes, _split_k(min(k, d), sizes)):  # a loop over tensors, not coordinates
-        _, local = torch.topk(magnitude.narrow(0, offset, n), k_b, sorted=False)
-        selected.narrow(0, offset, n).index_fill_(0, local, True)
-        offset += n
-    indices = selected.nonzero().squeeze(1)  # increasing order
+    indices = top_k_per_block(x, sizes, _split_k(min(k, d), sizes))
     return indices, x.index_select(0, indices)
+
+
+def top_k_per_block(x: torch.Tensor, sizes: Sequence[int], budgets: Sequence[int]) -> torch.Tensor:
+    """Positions, in increasing order, of the ``min(budgets[b], sizes[b])`` entries of largest ``|x|``
+    within each consecutive block ``b`` of ``x`` (``sizes`` sum to ``len(x)``; empty blocks keep none).
+
+    The one top-k of the package: :func:`top_k` (DP-MicroAdam's ``T_k``) and the client's uplink
+    compression (:mod:`fedprivacy.client.compression`) differ only in their budgets. Ties are broken by
+    ``torch.topk`` (a loop over blocks, not coordinates).
+    """
+    magnitude, picked, lo = x.abs(), [], 0
+    for n, k_b in zip(sizes, budgets):
+        if n > 0:
+            picked.append(lo + torch.topk(magnitude.narrow(0, lo, n), min(k_b, n), sorted=False).indices)
+        lo += n
+    return torch.sort(torch.cat(picked)).values if picked else torch.zeros(0, dtype=torch.int64, device=x.device)
 
 
 def ring_ages(step: int, ring_size: int) -> list[int]:
