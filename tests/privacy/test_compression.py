@@ -103,6 +103,18 @@ def test_per_tensor_top_k_budgets_each_tensor():
     assert first == math.ceil(0.1 * 6) and len(out.sent.indices) - first == math.ceil(0.1 * 54)
 
 
+@pytest.mark.parametrize("tensor_sizes", [None, [10, 40, 50]])
+def test_a_dense_update_selects_what_dp_microadams_top_k_selects(tensor_sizes):
+    """One top-k (optim/microadam.top_k_per_block): at density * n integral the budgets agree too."""
+    from fedprivacy.optim.microadam import top_k
+
+    values = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    out = compress(SparseUpdate.dense(values), None, density=0.1, clip_norm=1e9, quantization="none",
+                   tensor_sizes=tensor_sizes)
+    indices, picked = top_k(values, 10, tensor_sizes)
+    assert torch.equal(out.sent.indices.long(), indices) and torch.equal(out.sent.values, picked)
+
+
 # -- through the Flower apps -------------------------------------------------------------------------
 
 
