@@ -7,19 +7,22 @@ and :func:`config_obstacle`), :class:`CohortTrainer` trains them in chunks with
 the ClientApp (:func:`fedprivacy.fl.client_app.build_client_app`) would: ``{"arrays": Delta_i,
 "metrics": {"train_loss", "num-examples"}}``, the same data order per ``(seed, round, client)``, the
 same values within float rounding. The server clips and noises each reply as before; nothing on
-the privacy path changes.
+the privacy path changes. Before the run, one batched step of one client at lr 0 checks that the
+task's model and loss run under ``vmap`` (a user's forward that reads its input through numpy
+cannot).
 
 How ``cohort_batching: auto`` chooses (:func:`cohort_trainer`), from the CPU measurements of
 ``benchmarks/cohort_training.py`` (BENCHMARKS.md, "Cohorts trained together"): batching removes
 the per-step Python and dispatch cost of each client, but adds a fixed cost per step and batch
 size (a ``vmap``-ed forward and backward) and its working set is the whole chunk's stacked
 parameters instead of one model that stays in cache. It paid for small models (at most
-:data:`AUTO_MAX_PARAMETERS` parameters, e.g. the MLPs of user tasks: 2.6-3.5x for 2,410
-parameters at cohorts 100-1,000) in cohorts of at least :data:`AUTO_MIN_COHORT` expected
-clients (at 10 it was at par), and lost for larger models (0.5x at 76,810 parameters); TFF's
-4M-parameter next-word LSTM ran about 2x slower batched on the CPU (its matmul-written cell cannot
-use the fused ``aten::lstm`` kernel, which has no ``vmap`` rule), so ``auto`` leaves it one at a
-time; ``on`` still batches it (e.g. on a GPU, unmeasured here). The rule depends only on the
+:data:`AUTO_MAX_PARAMETERS` parameters, e.g. the MLPs of user tasks: 2.4x and 7.4x for 2,410
+parameters at cohorts 100 and 1,000, 1.8x and 2.2x for 19,210) in cohorts of at least
+:data:`AUTO_MIN_COHORT` expected clients (at 10 it was at par or slower), and lost for larger
+models (0.5-0.6x at 76,810 parameters); TFF's 4M-parameter next-word LSTM ran about 2x slower
+batched on the CPU (0.52x: its matmul-written cell cannot use the fused ``aten::lstm`` kernel,
+which has no ``vmap`` rule, and CPU ``bmm`` is slower than ``mm`` at its shapes), so ``auto``
+leaves it one at a time; ``on`` still batches it (e.g. on a GPU, unmeasured here). The rule depends only on the
 config and the model, never on timings, so a run is reproducible bit for bit.
 """
 
@@ -52,8 +55,9 @@ replies chunk by chunk and the working set stays near the cache."""
 MIN_CHUNK, MAX_CHUNK = 8, 256
 
 
-def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
-    """Why ``cfg``'s clients cannot be trained together, naming the setting, or ``None``."""
+def config_obstacle(cfg: RunConfig, task: Task, model: torch.nn.Module) -> str | None:
+    """Why ``cfg``'s clients (of ``task``, training ``model``) cannot be trained together, naming the
+    setting, or ``None``."""
     if cfg.engine != "inprocess" or cfg.processes > 1:
         return f"engine {cfg.engine!r} with processes={cfg.processes} (needs 'inprocess' with processes: 1)"
     for name, value in (("client.sample_dp", cfg.client.sample_dp), ("client.adadps", cfg.client.adadps),
@@ -66,7 +70,7 @@ def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
         return f"data.task={cfg.data.task!r} trains in closed form (its own fast path)"
     if task.population == 0:
         return "the task has no clients"
-    return unsupported_reason(task.new_model(cfg.device), *task.client_data(0))
+    return unsupported_reason(model, *task.client_data(0))
 
 
 def chunk_size(model: torch.nn.Module) -> int:
@@ -86,9 +90,9 @@ def chunks_by_size(sizes: Sequence[int], chunk: int) -> list[list[int]]:
 class CohortTrainer:
     """Replies to a round's ``train`` messages, their local SGD trained together in chunks."""
 
-    def __init__(self, cfg: RunConfig, task: Task) -> None:
-        self.cfg, self.task = cfg, task
-        self.model = task.new_model(cfg.device)
+    def __init__(self, cfg: RunConfig, task: Task, model: torch.nn.Module) -> None:
+        """``model``: the task's model, a working copy that each round's broadcast is loaded into."""
+        self.cfg, self.task, self.model = cfg, task, model
         self.chunk = chunk_size(self.model)
         self._loaded = None  # the broadcast record the model holds
 
@@ -136,17 +140,35 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
     if cfg.cohort_batching == "off":
         return None
     task = load_task(cfg.data)
-    reason = config_obstacle(cfg, task)
+    model = task.new_model(cfg.device)
+    reason = config_obstacle(cfg, task, model)
+    if reason is None and cfg.cohort_batching == "auto" and (
+            type(model) is NextWordLSTM or sum(p.numel() for p in model.parameters()) > AUTO_MAX_PARAMETERS
+            or cfg.privacy.expected_cohort < AUTO_MIN_COHORT):
+        return None
+    if reason is None:
+        reason = _trial_step(cfg, task, model)
     if reason is not None:
         if cfg.cohort_batching == "on":
             raise ConfigError(f"cohort_batching='on' is not possible here: {reason}")
+        log.info("training clients one at a time: %s", reason)
         return None
-    trainer = CohortTrainer(cfg, task)
-    if cfg.cohort_batching == "auto":
-        size = sum(p.numel() for p in trainer.model.parameters())
-        if (type(trainer.model) is NextWordLSTM or size > AUTO_MAX_PARAMETERS
-                or cfg.privacy.expected_cohort < AUTO_MIN_COHORT):
-            return None
+    trainer = CohortTrainer(cfg, task, model)
     log.info("training cohorts together, %d clients per batched step (cohort_batching=%s)", trainer.chunk,
              cfg.cohort_batching)
     return trainer
+
+
+def _trial_step(cfg: RunConfig, task: Task, model: torch.nn.Module) -> str | None:
+    """Why one batched step fails (e.g. a forward or loss that ``vmap`` cannot run), or ``None``;
+    tried on the first client with examples among the first ten."""
+    for client in range(min(10, task.population)):
+        data = task.client_data(client)
+        if len(data[1]):
+            break
+    try:
+        train_cohort(model, [data], epochs=1, batch_size=cfg.client.batch_size, lr=0.0,
+                     rngs=[client_generator(cfg.seed, 0, client)], loss_fn=task.loss)
+    except Exception as err:  # noqa: BLE001 - whatever the user's model or loss raises under vmap
+        return f"a batched step of client {client} failed ({type(err).__name__}: {err})"
+    return None

@@ -173,7 +173,7 @@ def test_a_run_trained_together_matches_one_at_a_time(mlp_task, tmp_path, monkey
     monkeypatch.setattr(cohorts, "train_cohort", counting)
     together = run(_run_config(mlp_task, "on", tmp_path))
     sampled = pd.read_csv(tmp_path / "on" / "metrics.csv")["cohort_sampled"]
-    assert trained == sampled.astype(int).tolist() and len(trained) == 3  # every round's clients, in one cohort
+    assert trained == [1] + sampled.astype(int).tolist() and len(sampled) == 3  # the trial, then each round's clients
     alone = run(_run_config(mlp_task, "off", tmp_path))
     assert together["epsilon_rdp"] == alone["epsilon_rdp"]
     assert together["cohort_accepted"] == alone["cohort_accepted"]
@@ -192,6 +192,29 @@ def test_auto_trains_small_models_in_large_cohorts_together(mlp_task, small_conf
     # the 4M-parameter LSTM is slower batched on the CPU: auto leaves it alone, on batches it
     assert cohort_trainer(small_config("data.task=next_word", "privacy.expected_cohort=100")) is None
     assert cohort_trainer(small_config("data.task=next_word", "cohort_batching=on")) is not None
+
+
+NUMPY_MODEL_TASK = MLP_TASK.replace("import torch\n", "import numpy as np\nimport torch\n", 1).replace(
+    "        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)",
+    "        return NumpyModel()") + textwrap.dedent('''
+    class NumpyModel(nn.Linear):
+        """Reads its input through numpy, which vmap cannot batch."""
+
+        def __init__(self):
+            super().__init__(6, 3)
+
+        def forward(self, x):
+            return super().forward(torch.from_numpy(np.asarray(x)))
+''')
+
+
+def test_a_model_that_vmap_cannot_run_trains_one_at_a_time_or_is_refused(tmp_path, monkeypatch):
+    assert "return NumpyModel()" in NUMPY_MODEL_TASK
+    (tmp_path / "cohort_numpy.py").write_text(NUMPY_MODEL_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cohort_trainer(_run_config("cohort_numpy:make", "auto", tmp_path, cohort=AUTO_MIN_COHORT)) is None
+    with pytest.raises(ConfigError, match="cohort_batching='on'.*a batched step of client 0 failed"):
+        cohort_trainer(_run_config("cohort_numpy:make", "on", tmp_path))
 
 
 def test_on_is_refused_where_clients_cannot_be_trained_together(small_config, mlp_task):
