@@ -121,7 +121,6 @@ def build_server_optimizer(cfg: RunConfig, dim: int, model: torch.nn.Module,
         # (notes/adambc.md §5.1), or as the noise placement makes it (local: z^2 C^2 / m). It changes
         # with C_t (adaptive clipping) and under DiSK: the server sets each round's (set_phi).
         settings["phi"] = mechanism.phi()
-        settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
     if s.optimizer == "microadam":
         m = s.microadam or MicroAdamConfig()
         settings["microadam"] = {
@@ -319,17 +318,15 @@ class DPFedAvgServer:
         return reply_to_update(content, self.params, self.layout), metrics
 
     def _run_round(self, grid: Grid, nodes: list[int]) -> None:
-        """One round, top-down as in ARCHITECTURE.md: sample, broadcast, clip and sum the replies as they
-        stream in, release (logged ahead, ONE draw, fixed divisor, accounted), post-process, record."""
+        """One round, top-down as in ARCHITECTURE.md: sample, broadcast, triage (clip and sum the replies
+        as they stream in), release (logged ahead, ONE draw, fixed divisor, accounted), ServerStep, record."""
         t0 = time.perf_counter()
         self._refresh_side_information()
         self.round += 1
         cohort = self.mechanism.sample()
         clip_norm = self.mechanism.clip_norm  # C_t: the release moves it under adaptive clipping
         messages, downlink, side_info_bytes = self._broadcast(cohort, nodes, clip_norm)
-        agg = self.mechanism.aggregator(self.params.numel())
-        if self.prefetch_noise:
-            self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
+        agg = self._aggregator()
         replies = self._collect(grid, messages, {nodes[i]: int(i) for i in cohort}, agg)
         self._report_rejections(agg, len(cohort))
         phi = self.mechanism.phi()
@@ -342,12 +339,23 @@ class DPFedAvgServer:
                    cohort_dropped=float(replies.dropped), seconds=time.perf_counter() - t0)
         if self.side_info:
             row["side_information_bytes"] = float(side_info_bytes)
+        self._record(row)
+
+    def _aggregator(self) -> PrivateSum:
+        """The round's streaming clip-and-sum at C_t; its noise starts drawing now if not already."""
+        agg = self.mechanism.aggregator(self.params.numel())
+        if self.prefetch_noise:
+            self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
+        return agg
+
+    def _record(self, row: dict[str, float]) -> None:
+        """Write the round's metrics.csv row, checkpoint when due, and log one line."""
         self.outputs.log_round(row)
         if self.round % self.cfg.checkpoint_every == 0:
             self.outputs.save_checkpoint(self.state_dict())
         accountant = self.cfg.privacy.budget_accountant
         accuracy = row.get("test_accuracy", float("nan"))
-        log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", self.round, len(cohort), accountant,
+        log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", self.round, int(row["cohort_sampled"]), accountant,
                  row[f"epsilon_{accountant}"], row["seconds"],
                  f", test accuracy {accuracy:.4f}" if accuracy == accuracy else "")
 

@@ -110,9 +110,8 @@ class DPFedAvg(Strategy):
             population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping, seed=seed,
             secure=secure_noise)
         settings = dict(optimizer_settings or {})
-        if optimizer == "adambc":
+        if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
             settings.setdefault("phi", self.mechanism.phi())
-            settings.setdefault("gamma_prime", 0.01 * settings["phi"] if settings["phi"] > 0 else 1e-12)
         self.optimizer = make_server_optimizer(optimizer, lr=lr, **settings)
         self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
         self.delta = delta if delta is not None else 1.0 / population

@@ -11,7 +11,8 @@ adam       :class:`ServerAdam`                 beta1, beta2, tau, bias_correctio
 yogi       :class:`ServerYogi`                 beta1, beta2, tau, bias_correction
 adagrad    :class:`ServerAdagrad`              beta1, tau
 adambc     :class:`ServerAdamBC`               beta1, beta2, bias_correction (as ``corrected_v``),
-                                               gamma_prime and phi (both required)
+                                               phi (required), gamma_prime (default
+                                               :func:`default_gamma_prime`)
 microadam  :class:`ServerMicroAdam`            beta1, beta2, tau (as ``eps``), microadam (options)
 =========  ==================================  ===============================================
 
@@ -55,7 +56,13 @@ _BUILDERS: dict[str, tuple[type, dict[str, str]]] = {
     # ``microadam`` holds ServerMicroAdam's own options (density, ring_size, ...), passed through
     "microadam": (ServerMicroAdam, {"beta1": "beta1", "beta2": "beta2", "tau": "eps", "microadam": "**"}),
 }
-_REQUIRED = {"adambc": ("gamma_prime", "phi")}
+_REQUIRED = {"adambc": ("phi",)}
+
+
+def default_gamma_prime(phi: float) -> float:
+    """DP-FedAdamBC's γ′ when none is set: ``0.01 Phi`` (inside the paper's tuned range, about 0.004 Phi
+    to 0.84 Phi; Tang et al. 2024, notes/adambc.md §1.6), or ``1e-12`` without noise (Phi = 0)."""
+    return 0.01 * phi if phi > 0 else 1e-12
 
 
 def make_server_optimizer(
@@ -81,7 +88,7 @@ def make_server_optimizer(
         beta2: second-moment decay β₂ (adam, yogi, adambc).
         tau: adaptivity τ, outside the root (adam, yogi, adagrad).
         bias_correction: Adam-style bias correction (adam, yogi; ``corrected_v`` for adambc).
-        gamma_prime: γ′, the floor under ``v_hat - Phi`` (adambc, required).
+        gamma_prime: γ′, the floor under ``v_hat - Phi`` (adambc; default :func:`default_gamma_prime`).
         phi: Φ from :func:`fedprivacy.privacy.placement.dp_noise_variance` (adambc, required).
         microadam: keyword options of :class:`~fedprivacy.optim.microadam.ServerMicroAdam`
             (microadam only; ``tau`` is its ``eps``).
@@ -96,6 +103,8 @@ def make_server_optimizer(
     given = {"momentum": momentum, "beta1": beta1, "beta2": beta2, "tau": tau, "bias_correction": bias_correction,
              "gamma_prime": gamma_prime, "phi": phi, "microadam": microadam}
     check_settings(name, {k for k, v in given.items() if v is not None})
+    if name == "adambc" and gamma_prime is None:
+        given["gamma_prime"] = default_gamma_prime(phi)
     cls, reads = _BUILDERS[name]
     kwargs = {reads[k]: v for k, v in given.items() if v is not None}
     return cls(lr, **kwargs.pop("**", {}), **kwargs)

@@ -355,6 +355,8 @@ def test_factory_builds_each_optimizer_with_the_papers_defaults():
     bc = make_server_optimizer("adambc", lr=0.1, phi=1e-6, gamma_prime=1e-8)
     assert type(bc) is ServerAdamBC and bc.corrected_v is True and bc.bias_correction is True
     assert make_server_optimizer("adambc", lr=0.1, phi=1e-6, gamma_prime=1e-8, bias_correction=False).corrected_v is False
+    assert make_server_optimizer("adambc", lr=0.1, phi=0.04).gamma_prime == pytest.approx(4e-4)  # 0.01 Phi
+    assert make_server_optimizer("adambc", lr=0.1, phi=0.0).gamma_prime == 1e-12
 
 
 @pytest.mark.parametrize("name, kwargs, match", [
@@ -362,7 +364,7 @@ def test_factory_builds_each_optimizer_with_the_papers_defaults():
     ("adambc", dict(phi=1e-6, gamma_prime=1e-8, tau=1e-3), "does not use tau"),
     ("adagrad", dict(bias_correction=True), "does not use bias_correction"),
     ("sgd", dict(beta1=0.9), "does not use beta1"),
-    ("adambc", dict(phi=1e-6), "requires gamma_prime"),
+    ("adambc", dict(gamma_prime=1e-8), "requires phi"),
     ("rmsprop", dict(), "unknown server optimizer"),
 ])
 def test_factory_refuses_settings_it_would_drop(name, kwargs, match):
