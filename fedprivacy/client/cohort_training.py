@@ -21,14 +21,15 @@ client with no step ``j`` is simply not in any slice: its parameters are left ex
 (the "mask" is the slice bound). The updates equal the one-at-a-time path's within float
 rounding (batched ``bmm`` kernels sum in another order).
 
-Supported (:func:`unsupported_reason` says why not otherwise): dense models without buffers or
-dropout, trained with plain SGD (no momentum, no per-client optimizer state, no AdaDPS
+Supported (:func:`unsupported_reason` says why not otherwise): dense models without buffers,
+dropout or tied parameters, trained with plain SGD (no momentum, no per-client optimizer state, no AdaDPS
 preconditioner), on features and labels that are numpy arrays or tensors. The forward is
 ``torch.func.functional_call`` of the model, except for :class:`~fedprivacy.models.lstm.NextWordLSTM`:
 ``aten::lstm`` has no ``vmap`` batching rule, so its batched forward writes the LSTM cell out in
-matmuls with its own backpropagation through time (:class:`LSTMRecurrence`, :func:`lstm_forward`). The loss is ``vmap``-ed too
-when the task's loss allows it (tensor ops only), else called once per client on the stacked
-logits (e.g. :meth:`fedprivacy.task.NextWordTask.loss`, which reads its targets through numpy).
+matmuls with its own backpropagation through time (:class:`LSTMRecurrence`, :func:`lstm_forward`).
+The loss is ``vmap``-ed with the forward when the task's loss allows it (tensor ops only), else
+called once per client on the stacked logits (e.g. :meth:`fedprivacy.task.NextWordTask.loss`,
+which reads its targets through numpy).
 """
 
 from __future__ import annotations
@@ -126,13 +127,15 @@ def batched_forward(model: nn.Module) -> Forward:
     next-word LSTM, ``functional_call(model, params, (x,))`` for any other model."""
     if type(model) is NextWordLSTM:
         return lstm_forward
-    return lambda params, x: functional_call(model, params, (x,))
+    return lambda params, x: functional_call(model, params, (x,), tie_weights=False)  # none tied: checked
 
 
 def unsupported_reason(model: nn.Module, features: Any = None, labels: Any = None) -> str | None:
     """Why :func:`train_cohort` cannot train clients of ``model`` on such data exactly, or ``None``."""
     if hasattr(model, "update_support") or hasattr(model, "support_blocks"):
         return f"{type(model).__name__} trains sparsely on its support (its own fast path)"
+    if len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters())):
+        return f"{type(model).__name__} ties parameters (one tensor under two names)"
     if any(True for _ in model.buffers()):
         return f"{type(model).__name__} has buffers (per-client state such as batch-norm statistics)"
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
@@ -208,25 +211,26 @@ def train_cohort(model: nn.Module, clients: Sequence[tuple[Any, Any]], *, epochs
     label_is_numpy = isinstance(clients[0][1], np.ndarray)
     stack = [p.unsqueeze(0).repeat(len(clients), *([1] * p.dim())) for p in start]
     loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=device)
-    forward = vmap(batched_forward(model), randomness="error")
+    per_client = batched_forward(model)
+    forward = vmap(per_client, randomness="error")
+    forward_loss = vmap(lambda p, xs, ys: loss_fn(per_client(p, xs), ys), randomness="error")
     per_epoch = steps // epochs
     for j in range(total):
         position = np.where(j < steps, np.where(j % np.maximum(per_epoch, 1) == per_epoch - 1, last, batch_size), 0)
         for size, where in _groups(position[order]):
             index = where if isinstance(where, slice) else torch.as_tensor(where, device=device)
-            params = [s[index].requires_grad_() for s in stack]  # a view of the stack, or a gathered copy
-            logits = forward(dict(zip(names, params)), x[index, j, :size])
-            targets = y[index, j, :size]
+            params = dict(zip(names, [s[index].requires_grad_() for s in stack]))  # views, or gathered copies
+            inputs, targets = x[index, j, :size], y[index, j, :size]
             if vmap_loss is None:
-                vmap_loss = _loss_vmaps(loss_fn, logits, targets)
+                vmap_loss = _loss_vmaps(loss_fn, forward(params, inputs), targets)
             if vmap_loss:
-                losses = vmap(loss_fn, randomness="error")(logits, targets)
+                losses = forward_loss(params, inputs, targets)
             else:  # numpy targets come from the host copy: no wait for the device
                 host = y_host[where, j, :size].numpy() if label_is_numpy else targets
-                losses = torch.stack([loss_fn(logit, target) for logit, target in zip(logits, host)])
-            grads = torch.autograd.grad(losses.sum(), params)
+                losses = torch.stack([loss_fn(logit, target) for logit, target in zip(forward(params, inputs), host)])
+            grads = torch.autograd.grad(losses.sum(), list(params.values()))
             with torch.no_grad():
-                for s, p, g in zip(stack, params, grads):
+                for s, p, g in zip(stack, params.values(), grads):
                     if isinstance(where, slice):
                         s[where].add_(g, alpha=-lr)  # torch.optim.SGD's update, in place
                     else:

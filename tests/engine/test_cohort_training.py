@@ -149,6 +149,9 @@ def test_what_cannot_be_trained_together_is_named():
     assert "buffers" in unsupported_reason(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     assert "dropout" in unsupported_reason(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))
     assert "recurrent" in unsupported_reason(nn.LSTM(2, 2))
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight
+    assert "ties parameters" in unsupported_reason(tied)
     assert unsupported_reason(NextWordLSTM(10, 2, 3), np.zeros((1, 3)), np.zeros((1, 3))) is None
     with pytest.raises(ValueError, match="dropout"):
         train_cohort(nn.Dropout(0.1), [(torch.zeros(1, 2), torch.zeros(1))], epochs=1, batch_size=1, lr=1.0,
