@@ -154,11 +154,11 @@ class DPFedAvg(Strategy):
         """Clip, sum, ONE noise draw, fixed divisor, then :class:`ServerStep`: ``x_{t+1}``."""
         if self.stopped or self._sent is None:
             return None, None
-        x = arrays_to_vector(self._sent)
+        x, layout = arrays_to_vector(self._sent), {name: a.shape for name, a in self._sent.items()}
         agg = self.mechanism.aggregator(x.numel())
         for reply in replies:
             try:
-                update = self._accept(reply, x)
+                update = self._accept(reply, x, layout)
             except RejectedUpdate as err:
                 agg.reject(err.reason, f"node {reply.metadata.src_node_id}", str(err))
                 continue
@@ -208,7 +208,7 @@ class DPFedAvg(Strategy):
             self._nodes = ids
         return self._nodes
 
-    def _accept(self, reply: Message, x: torch.Tensor) -> SparseUpdate:
+    def _accept(self, reply: Message, x: torch.Tensor, layout: dict[str, tuple[int, ...]]) -> SparseUpdate:
         """Account the client-side releases the reply reports, then its update: full weights minus the
         broadcast, or a sparse delta (:func:`~fedprivacy.fl.records.reply_to_update`); else RejectedUpdate."""
         content, m = reply_content(reply), self.mechanism
@@ -218,4 +218,4 @@ class DPFedAvg(Strategy):
                 local_noise_multiplier=m.noise_multiplier if m.placement == "local" else None)
         except ValueError as err:
             raise RejectedUpdate("unaccounted", str(err)) from None
-        return reply_to_update(content, x, {name: a.shape for name, a in self._sent.items()})
+        return reply_to_update(content, x, layout)
