@@ -155,10 +155,9 @@ def bench_next_word(args) -> dict:
     from opacus.validators import ModuleValidator
 
     from fedprivacy.client.sample_dp import run_sample_dp
+    from fedprivacy.config import build_config
     from fedprivacy.models.lstm import NextWordLSTM
     from fedprivacy.optim.sample_dp import SampleDPConfig
-
-    from fedprivacy.config import build_config
     from fedprivacy.task import ensure_data, load_task
 
     dcfg = build_config({"data": {"path": str(args.data), "task": "next_word"}, "output_dir": "unused"})
