@@ -6,11 +6,13 @@ Per round ``t``:
    accountant's epsilon over ``privacy.target_epsilon``, stop BEFORE sampling;
 2. **sample** the cohort over the FULL population (Poisson or fixed-size, invariant 5);
 3. **broadcast** ``x_t`` (one ``ArrayRecord`` shared by every message of the round);
-4. **aggregate** the replies as they stream in: flat L2 clip, unweighted sum; failed, missing,
-   malformed or non-finite replies contribute zero (invariants 1, 2, 11, 12);
+4. **aggregate** the replies as they stream in (fedprivacy's sparse deltas or Flower-style full
+   weights, :func:`~fedprivacy.fl.records.reply_to_update`): flat L2 clip, unweighted sum; failed,
+   missing, malformed or non-finite replies contribute zero (invariants 1, 2, 11, 12);
 5. **privatize**: one dense Gaussian draw on the sum, divide by the EXPECTED cohort (invariant 3);
-6. **server step** on the released ``g_t`` only (invariant 6): optionally DiSK's filter first
-   (its lookahead model is broadcast in step 3), then the server optimizer;
+6. **server step** on the released ``g_t`` only (invariant 6), the one shared with the Flower strategy
+   (:class:`~fedprivacy.optim.server_step.ServerStep`): optionally DiSK's filter first (its lookahead
+   model is broadcast in step 3), then the server optimizer;
 7. **account**: compose the round's event into the ledger; epsilon under every accountant;
 8. **evaluate** every ``eval_every`` rounds, **checkpoint** every ``checkpoint_every`` rounds.
 

@@ -30,7 +30,8 @@ that trains from both points with the same data order sends ``c Delta(lookahead)
 (:func:`fedprivacy.optim.disk.disk_combination`); a client that ignores them sends ``Delta(x_t)`` and
 the strategy still filters. Either way the filter is post-processing: epsilon is unchanged.
 
-Record-level DP reported by the clients (e.g. Opacus inside the ClientApp): a reply's ``metrics``
+Record-level DP reported by the clients (e.g. Opacus inside the ClientApp,
+:func:`fedprivacy.fl.record_dp.make_record_dp`): a reply's ``metrics``
 ``MetricRecord`` may carry the round's sample-level DP event in the contract of
 :func:`fedprivacy.privacy.client_ledgers.event_metrics`; the strategy validates it (untrusted input),
 composes it into that client's own ledger, and reports the largest client epsilon (at each client's own
