@@ -279,36 +279,3 @@ def test_without_record_level_a_missing_or_invalid_event_is_ignored_and_the_upda
     result = _start(required, _plain_client_app(), 4, rounds=1, lr=0.5)  # no event at all, but required
     assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 4 and required.client_epsilons() == {}
 
-
-def test_a_stock_client_training_with_opacus_reports_events_the_strategy_composes_per_client():
-    """fl/record_dp in a plain ClientApp: 64 records, batches of 16 (q = 1/4, 4 Poisson steps a round),
-    z = 1, delta_i = 0.1 / 64; after 2 rounds each client's epsilon is that of 8 such steps."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from fedprivacy.fl.record_dp import make_record_dp
-
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        model = _model()
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        gen = torch.Generator().manual_seed(int(context.node_config["partition-id"]))
-        data = TensorDataset(torch.randn(64, IN, generator=gen), torch.randint(0, OUT, (64,), generator=gen))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        with make_record_dp(model, optimizer, DataLoader(data, batch_size=16), noise_multiplier=1.0,
-                            max_grad_norm=1.0, seed=int(context.node_config["partition-id"])) as dp:
-            for x, y in dp.data_loader:
-                dp.optimizer.zero_grad()
-                nn.functional.cross_entropy(dp.module(x), y).backward()
-                dp.optimizer.step()
-        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": 64, **dp.metrics()})}), reply_to=msg)
-
-    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=3, population=3, sampling="fixed",
-                        record_level=True)
-    result = _start(strategy, app, 3, rounds=2, lr=0.0)
-    truth = epsilon_for("poisson", 0.25, 1.0, 8, 0.1 / 64, "rdp")
-    assert result.train_metrics_clientapp[2]["rejected_unaccounted"] == 0
-    assert sorted(strategy.client_epsilons().values()) == pytest.approx([truth] * 3, rel=1e-12)
-    assert result.train_metrics_clientapp[2]["client_epsilon_max"] == pytest.approx(truth, rel=1e-12)
