@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -113,10 +114,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     would let the server subtract the noise that is meant to protect the client from it.
     """
     app = ClientApp(mods=mods)
-    simulated = cfg is not None
     lookaheads = _LastDecoded()
-    def run_config(context: Context) -> RunConfig:
-        return cfg if cfg is not None else config_from_context(context)[0]
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -125,56 +123,20 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        c = run_config(context)
-        partition = int(context.node_config["partition-id"])
-        server_round = int(msg.content["config"]["server-round"])
-        secret = c.privacy.secure_noise or not simulated
-        # a re-run of released rounds (the server's noise epoch > 0) draws fresh streams
-        epoch = (int(msg.content["config"]["noise-epoch"]),) if "noise-epoch" in msg.content["config"] else ()
+        c = cfg if cfg is not None else config_from_context(context)[0]
+        job = _Job.of(msg, context, c, simulated=cfg is not None)
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
-        task = load_task(c.data)
-        features, labels = task.client_data(partition)
-        loss_fn = None if getattr(task, "closed_form_softmax", False) else task.loss  # the tag model's fast path
-        side = node_side_information(msg, context, c.device)  # AdaDPS's public A, or None
-
-        def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
-            return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
-                             lr=c.client.lr, rng=client_generator(c.seed, server_round, partition), start_from=start,
-                             loss_fn=loss_fn, preconditioner=side)
-
-        lookahead = msg.content.array_records.get("lookahead")
-        s = c.client.sample_dp
-        extra_metrics = {}  # record-level privacy events, compression diagnostics
-        if s is not None:  # record-level DP; the config excludes DiSK's lookahead
-            from fedprivacy.client.sample_dp import train_sample_dp_softmax  # Opacus, on demand
-            from fedprivacy.privacy.client_ledgers import event_metrics
-
-            seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, server_round, partition, *epoch])
-            result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
-                                             target_delta=s.target_delta, delta_factor=s.delta_factor,
-                                             accountant=s.accountant,
-                                             secure_noise=secret,
-                                             preconditioner=None if side is None else
-                                             (side["embedding.weight"], side.get("bias")))
-            update = SparseUpdate.dense(result.delta)
-            extra_metrics = event_metrics(result)
-        elif lookahead is None:
-            result = train_from(None)
-            update = result.update
-        else:
-            coefficient = float(msg.content["config"]["disk-c"])
-            ahead = train_from(lookaheads.vector(lookahead, model, c.device))
-            result = ahead if coefficient == 1.0 else train_from(None)
-            update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
+        result, update, extra_metrics = _train(msg, context, c, job, model, lookaheads)
         if c.client.compression is not None:  # top-k of delta + residual, clipped; the residual stays here
-            update, compression_metrics = _compress_upload(update, context, c, model, server_round, partition,
+            update, compression_metrics = _compress_upload(update, context, c, model, job.round, job.partition,
                                                            float(msg.content["config"]["clip-norm"]))
             extra_metrics.update(compression_metrics)
         p = c.privacy
         if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
             std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort)
-            noise = GaussianNoise(c.seed, device=c.device, secure=secret, stream=(server_round, partition, *epoch))
+            noise = GaussianNoise(c.seed, device=c.device, secure=job.secret,
+                                  stream=(job.round, job.partition, *job.epoch))
             update = SparseUpdate.dense(privatize_upload_(update.to_dense().clone(), p.clip_norm, std, noise))
         content = RecordDict({
             "arrays": update_to_record(update),
@@ -184,6 +146,61 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         return Message(content, reply_to=msg)
 
     return app
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Who trains which round: the node's partition, the round, the server's noise epoch (a re-run of
+    released rounds after a resume draws fresh streams) and whether client noise must be secret."""
+
+    partition: int
+    round: int
+    epoch: tuple[int, ...]
+    secret: bool
+
+    @classmethod
+    def of(cls, msg: Message, context: Context, c: RunConfig, simulated: bool) -> _Job:
+        config = msg.content["config"]
+        return cls(partition=int(context.node_config["partition-id"]), round=int(config["server-round"]),
+                   epoch=(int(config["noise-epoch"]),) if "noise-epoch" in config else (),
+                   secret=c.privacy.secure_noise or not simulated)
+
+
+def _train(msg: Message, context: Context, c: RunConfig, job: _Job, model: torch.nn.Module,
+           lookaheads: _LastDecoded) -> tuple[Any, SparseUpdate, dict[str, float]]:
+    """The client's local training: record-level DP, plain local SGD, or DiSK's two passes from
+    ``x_t`` and the lookahead with one data order. Returns the result, the update and extra metrics
+    (the record-level privacy events)."""
+    task = load_task(c.data)
+    features, labels = task.client_data(job.partition)
+    side = node_side_information(msg, context, c.device)  # AdaDPS's public A, or None
+    s = c.client.sample_dp
+    if s is not None:  # record-level DP; the config excludes DiSK's lookahead
+        from fedprivacy.client.sample_dp import train_sample_dp_softmax  # Opacus, on demand
+        from fedprivacy.privacy.client_ledgers import event_metrics
+
+        seed = np.random.SeedSequence([c.seed, SAMPLE_DP_STREAM, job.round, job.partition, *job.epoch])
+        result = train_sample_dp_softmax(model, features, labels, sample_dp_config(s), seed, epochs=s.epochs,
+                                         target_delta=s.target_delta, delta_factor=s.delta_factor,
+                                         accountant=s.accountant, secure_noise=job.secret,
+                                         preconditioner=None if side is None else
+                                         (side["embedding.weight"], side.get("bias")))
+        return result, SparseUpdate.dense(result.delta), event_metrics(result)
+    loss_fn = None if getattr(task, "closed_form_softmax", False) else task.loss  # the tag model's fast path
+
+    def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
+        return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
+                         lr=c.client.lr, rng=client_generator(c.seed, job.round, job.partition), start_from=start,
+                         loss_fn=loss_fn, preconditioner=side)
+
+    lookahead = msg.content.array_records.get("lookahead")
+    if lookahead is None:
+        result = train_from(None)
+        return result, result.update, {}
+    coefficient = float(msg.content["config"]["disk-c"])
+    ahead = train_from(lookaheads.vector(lookahead, model, c.device))
+    result = ahead if coefficient == 1.0 else train_from(None)
+    return result, disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient), {}
 
 
 def _compress_upload(update: SparseUpdate, context: Context, c: RunConfig, model: torch.nn.Module, server_round: int,
