@@ -72,10 +72,10 @@ def _json_value(v: Any) -> Any:
 
 
 def export_summary(results: StudyResults, path: str | Path) -> Path:
-    """Write the study's summary (finished runs only) as JSON to ``path``; returns the path."""
+    """Write the study's summary (finished runs only, in the study's order) as JSON to ``path``; returns it."""
     metric, mode, at = results.selection
     columns = [spec.name for spec in results.study.columns]
-    done = results.runs[results.runs["finished"]].sort_values(["method", "budget", "hparams", "seed"], kind="stable")
+    done = results.runs[results.runs["finished"]]  # the study's order: method, budget, grid point, seed
     fields = [*RUN_FIELDS, f"final_{results.metric}", f"best_{results.metric}", *columns]
     records = [{f: _json_value(row[f]) for f in fields} for _, row in done.iterrows()]
     payload = {"version": SUMMARY_VERSION, "study": results.study.name, "metric": results.metric,

@@ -1,0 +1,122 @@
+"""Docs tables generated from stored study summaries, and selection on held-out users."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedprivacy.cli import main
+from fedprivacy.config import ConfigError
+from fedprivacy.data.prepared import prepared_tags
+from fedprivacy.data.sources import open_source
+from fedprivacy.experiments import compare, load_study
+from fedprivacy.experiments.docs import (DocsTableError, export_summary, load_summary, marked_tables, render_docs,
+                                         stale_tables)
+from fedprivacy.experiments.results import load_results
+from fedprivacy.experiments.study import build_study
+from test_results import _fake_study
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federated:grid"},
+        "docs/COMPARISON.md": {"compare_adambc_regime", "compare_adambc_regime:grid"}}
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_docs_tables_equal_what_the_stored_summaries_give(doc):
+    """The committed docs carry their tables exactly as `fedprivacy report --docs` renders them."""
+    path = REPO / doc
+    assert DOCS[doc] <= set(marked_tables(path.read_text()))
+    assert stale_tables(path, REPO / "docs" / "results") == []
+
+
+def test_a_hand_edited_number_turns_the_check_red(tmp_path, capsys):
+    doc = tmp_path / "STUDIES.md"
+    shutil.copy(REPO / "docs" / "STUDIES.md", doc)
+    text = doc.read_text()
+    start = text.index("<!-- table:study_a_adadps_federated -->")
+    row = text.index("| AdaDPS |", start)
+    line = text[row:text.index("\n", row)]
+    cells = line.split(" | ")  # "| AdaDPS", budget, selected, seeds, selection score, final test accuracy, ...
+    assert cells[5].startswith("0.")
+    cells[5] = cells[5][:2] + str((int(cells[5][2]) + 1) % 10) + cells[5][3:]  # its first decimal, by hand
+    edited = text[:row] + " | ".join(cells) + text[row + len(line):]
+    doc.write_text(edited)
+    assert stale_tables(doc, REPO / "docs" / "results") == ["study_a_adadps_federated"]
+    assert main(["report", "--docs", str(doc), "--results", str(REPO / "docs" / "results"), "--check"]) == 1
+    assert "table study_a_adadps_federated differs" in capsys.readouterr().err
+    assert main(["report", "--docs", str(doc), "--results", str(REPO / "docs" / "results")]) == 0  # regenerate
+    assert doc.read_text() == text
+    assert main(["report"]) == 2 and "not both" in capsys.readouterr().err  # a folder or --docs, one of them
+
+
+def test_summary_round_trip_and_rendering_by_hand(tmp_path):
+    """Export from stored runs, render: the selected point, mean ± std and epsilon are the report's."""
+    _fake_study(tmp_path / "fake")
+    results = load_results(tmp_path / "fake")
+    path = export_summary(results, tmp_path / "results" / "fake.json")
+    stored = load_summary(path)
+    assert len(stored.runs) == 6 and stored.selection["split"] == "test"
+    summ = stored.summary().set_index("method")
+    ref = results.summary.set_index("method")
+    for col in ("hparams", "final_test_accuracy_mean", "final_test_accuracy_std", "epsilon_rdp", "epsilon_pld"):
+        assert list(summ[col]) == list(ref[col])
+    doc = ("intro\n<!-- table:fake -->\nold\n<!-- /table:fake -->\nmiddle\n"
+           "<!-- table:fake:grid -->\n<!-- /table:fake:grid -->\n")
+    out = render_docs(doc, tmp_path / "results")
+    # A: lr 1.0 selected (seeds 0.20, 0.50: mean 0.350, std 0.212), of 2 grid points
+    assert "| A | z0.8 | server.lr=1.0 (of 2) | 2 | 0.350 ± 0.212 | 0.350 ± 0.212 | 0.350 ± 0.212 |" in out
+    assert "| A | z0.8 | server.lr=0.1 | 2 | 0.320 ± 0.028 | 0.320 ± 0.028 |  |" in out
+    assert "Majority baseline (test_accuracy): 0.150." in out and "(the test split: optimistic)" in out
+    assert out.startswith("intro\n<!-- table:fake -->\n|") and "\nmiddle\n" in out
+    assert render_docs(out, tmp_path / "results") == out  # idempotent
+    with pytest.raises(DocsTableError, match="no stored summary"):
+        render_docs("<!-- table:missing -->\n<!-- /table:missing -->", tmp_path / "results")
+
+
+def test_extra_columns_average_the_last_rounds(tmp_path):
+    _, specs, _ = _fake_study(tmp_path / "fake")
+    study = json.loads((tmp_path / "fake" / "study.json").read_text())
+    study["study"]["columns"] = [{"column": "epsilon_rdp", "last_rounds": 2}]
+    (tmp_path / "fake" / "study.json").write_text(json.dumps(study))
+    r = load_results(tmp_path / "fake")
+    assert (r.runs["epsilon_rdp_last2"] == 1.75).all()  # rounds 2 and 3 of [1.0, 1.5, 2.0]
+    assert (r.summary["epsilon_rdp_last2_mean"] == 1.75).all()
+    export_summary(r, tmp_path / "fake.json")
+    assert "epsilon_rdp (mean of last 2 rounds)" in render_docs("<!-- table:fake -->\n<!-- /table:fake -->",
+                                                                  tmp_path)
+
+
+@pytest.mark.parametrize("selection, field", [({"split": "heldout", "at": "best"}, "selection.at"),
+                                              ({"heldout_clients": 3}, "heldout_clients")])
+def test_heldout_selection_settings_are_checked(selection, field):
+    tree = {"name": "x", "output_dir": "x", "methods": {"A": {}}, "budgets": [{"epsilon": 1}], "selection": selection}
+    with pytest.raises(ConfigError, match=field):
+        build_study(tree)
+
+
+@pytest.mark.slow
+def test_selection_on_heldout_users_uses_the_final_models_heldout_accuracy(tiny_study, small_data):
+    study = load_study(tiny_study(selection={"split": "heldout"}))
+    result, report = compare(study, jobs=2, show_progress=False)
+    assert not result.failed
+    r = load_results(study.output_dir)
+    assert r.selection == ("heldout_accuracy", "max", "final")
+    held, _ = prepared_tags(open_source("tff-sqlite", small_data), "heldout", vocab_size=2000, num_tags=50,
+                            no_tag="label0")
+    x = torch.as_tensor(held.features.toarray())
+    by_hand = {}
+    for _, run in r.runs.iterrows():  # the final model's accuracy on every held-out user's posts, by hand
+        state = torch.load(Path(study.output_dir) / "runs" / run["run_id"] / "final_model.pt")
+        logits = x @ state["embedding.weight"] + state["bias"]
+        by_hand[run["run_id"]] = float((logits.argmax(1).numpy() == held.labels).mean())
+        assert run["selection_score"] == pytest.approx(by_hand[run["run_id"]], abs=1e-6)
+    fedavg = r.runs[r.runs["method"] == "DP-FedAvg"]
+    means = fedavg.assign(h=fedavg["run_id"].map(by_hand)).groupby("hparams")["h"].mean()
+    assert r.summary.set_index("method").loc["DP-FedAvg", "hparams"] == means.idxmax()
+    assert "held-out users" in report.read_text()
+    assert held.features.shape[0] > 0 and not math.isnan(r.summary["selection_score_mean"].iloc[0])
+    assert np.isfinite(r.summary["final_test_accuracy_mean"]).all()
