@@ -120,7 +120,8 @@ def test_compare_cli_names_the_bad_study_field(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("study_*.yaml"))
-                         + ["compare_server_optimizers.yaml", "compare_adambc_regime.yaml"])
+                         + ["compare_server_optimizers.yaml", "compare_adambc_regime.yaml",
+                            "compare_adambc_low_noise.yaml"])
 def test_shipped_studies_are_valid(name):
     specs = expand(load_study(REPO / "configs" / name))
     assert specs and all(s.config.rounds >= 1 for s in specs)
