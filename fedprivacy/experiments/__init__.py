@@ -6,6 +6,8 @@
 - :mod:`~fedprivacy.experiments.sweep`: runs them in parallel worker processes, resumably.
 - :mod:`~fedprivacy.experiments.results`, :mod:`~fedprivacy.experiments.figures`,
   :mod:`~fedprivacy.experiments.report`: tables, figures and the Markdown report from stored runs.
+- :mod:`~fedprivacy.experiments.heldout`: final models evaluated on held-out users (selection).
+- :mod:`~fedprivacy.experiments.docs`: stored study summaries and the docs tables generated from them.
 """
 
 from __future__ import annotations

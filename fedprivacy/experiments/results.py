@@ -5,7 +5,8 @@
 - ``runs``: one row per run: final and best headline metric, the selection score, epsilon under
   every accountant, noise multiplier, wall time.
 - ``grid``: one row per method x budget x grid point: mean and std over seeds, and which point
-  the selection rule picked.
+  the selection rule picked (on the runs' logged metric, or with ``selection.split: heldout`` on
+  each final model's metric over the held-out users, :mod:`fedprivacy.experiments.heldout`).
 - ``summary``: the picked point of each method x budget.
 
 Epsilon in ``runs``/``summary`` (and the epsilon-per-round curves, :func:`epsilon_curves`) is
