@@ -16,24 +16,13 @@ No fedprivacy import: this venv has only pfl and torch.
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import statistics
-import time
 
 import numpy as np
 import torch
-from pfl.aggregate.simulate import SimulatedBackend
-from pfl.aggregate.weighting import WeightByUser
-from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
-from pfl.callback.base import TrainingProcessCallback
 from pfl.data.dataset import Dataset
-from pfl.data.federated_dataset import FederatedDataset
-from pfl.data.sampling import get_user_sampler
-from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
-from pfl.metrics import Metrics, Weighted
-from pfl.model.pytorch import PyTorchModel
-from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism
+from pfl.metrics import Weighted
+
+from pfl_common import run_dp_fedavg, seed_single_thread
 
 
 class BagLR(torch.nn.Module):
@@ -59,15 +48,6 @@ class BagLR(torch.nn.Module):
         return {"loss": Weighted(float(loss), len(labels))}
 
 
-class Stopwatch(TrainingProcessCallback):
-    def __init__(self) -> None:
-        self.stamps = [time.perf_counter()]
-
-    def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-        self.stamps.append(time.perf_counter())
-        return False, Metrics()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -78,9 +58,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=10_000)
     ap.add_argument("--classes", type=int, default=500)
     args = ap.parse_args()
-    torch.set_num_threads(1)  # as fedprivacy's default num_threads
-    np.random.seed(0)
-    torch.manual_seed(0)
+    seed_single_thread()
     arrays = np.load(f"{args.data}/tags.npz")
     indptr, indices, values = arrays["indptr"], arrays["indices"], arrays["data"]
     labels, offsets = arrays["labels"], arrays["offsets"]
@@ -98,28 +76,9 @@ def main() -> None:
         return Dataset(raw_data=[torch.from_numpy(words), torch.from_numpy(weights),
                                  torch.from_numpy(labels[lo:hi].astype(np.int64))], user_id=str(user))
 
-    federated = FederatedDataset(make_dataset, get_user_sampler("random", users))
     net = BagLR(args.vocab, args.classes)
-    model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
-                         central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
-    mechanism = CentrallyAppliedPrivacyMechanism(GaussianMechanism(args.clip, args.z))
-    backend = SimulatedBackend(training_data=federated, val_data=None,
-                               postprocessors=[WeightByUser(), mechanism])
-    watch = Stopwatch()
-    t0 = time.perf_counter()
-    FederatedAveraging().run(
-        algorithm_params=NNAlgorithmParams(central_num_iterations=args.rounds, evaluation_frequency=10**9,
-                                           train_cohort_size=args.cohort, val_cohort_size=0),
-        backend=backend, model=model,
-        model_train_params=NNTrainHyperParams(local_learning_rate=30.0, local_num_epochs=1, local_batch_size=100),
-        model_eval_params=NNEvalHyperParams(local_batch_size=4096), callbacks=[watch])
-    seconds = np.diff(watch.stamps).tolist()
-    per_round = statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
-    print(json.dumps({"engine": "pfl", "seconds_per_round": per_round, "client_updates_per_s": args.cohort / per_round,
-                      "rounds_timed": len(seconds) - 1, "round_seconds": seconds,
-                      "wall_s_including_startup": time.perf_counter() - t0,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "pfl_threads": torch.get_num_threads()}), flush=True)
+    run_dp_fedavg(net, make_dataset, users, rounds=args.rounds, cohort=args.cohort, clip=args.clip, z=args.z,
+                  local_lr=30.0, local_batch_size=100, eval_batch_size=4096)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from so_tag_round import PFL_VENV, _peak_rss_mb  # noqa: E402  (one pfl venv for both benchmarks)
+import so_tag_round  # noqa: E402  (one pfl venv, one measurement and report for both benchmarks)
+from so_tag_round import PFL_VENV, _peak_rss_mb  # noqa: E402
 
 GOALS = {"ray": 10.0, "pfl": 2.0, "bare": 1 / 1.25}
 MAX_POSTS = 256  # Reddi et al.: at most 256 sentences per client
@@ -140,17 +140,8 @@ def worker_pfl(rounds: int, data: Path, cohort: int, clients: int, processes: in
 
 
 def measure(kind: str, rounds: int, data: Path, cohort: int, clients: int, processes: int) -> dict:
-    """Run one measurement in a fresh process; summarise its round times (the first round is warm-up)."""
-    cmd = [sys.executable, __file__, "--worker", kind, "--rounds", str(rounds), "--data", str(data),
-           "--cohort", str(cohort), "--clients", str(clients), "--processes", str(processes)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if out.returncode != 0:
-        raise RuntimeError(f"{kind} measurement failed:\n{out.stderr[-4000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    timed = r["round_seconds"][1:] or r["round_seconds"]
-    r.update(seconds_per_round=statistics.median(timed), client_updates_per_s=cohort / statistics.median(timed),
-             cohort=cohort, rounds_timed=len(timed), data=str(data), load_after=os.getloadavg()[0])
-    return r
+    """One measurement of this workload in a fresh process (:func:`so_tag_round.measure`)."""
+    return so_tag_round.measure(kind, rounds, data, cohort, clients, processes, script=__file__)
 
 
 def main() -> int:
@@ -211,16 +202,7 @@ def main() -> int:
               "command": " ".join(sys.argv), "load_before": load_before, "load_after": os.getloadavg(),
               "results": results, "ratios": ratios,
               "goals": {k: {"met": v, "target": GOALS[k]} for k, v in goals.items()}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    for name, value in ratios.items():
-        print(f"{name:32s} {value:7.2f}")
-    if args.out:
-        args.out.write_text(text)
-    missed = [k for k, v in goals.items() if not v]
-    if missed:
-        print(f"goals missed: {', '.join(missed)}", file=sys.stderr)
-    return 1 if missed else 0
+    return so_tag_round.finish(report, args.out)
 
 
 if __name__ == "__main__":

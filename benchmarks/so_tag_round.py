@@ -142,9 +142,11 @@ def worker_pfl(rounds: int, data: Path, cohort: int, clients: int) -> dict:
     return result
 
 
-def measure(kind: str, rounds: int, data: Path, cohort: int = 100, clients: int = 1000, processes: int = 1) -> dict:
-    """Run one measurement in a fresh process; summarise its round times."""
-    cmd = [sys.executable, __file__, "--worker", kind, "--rounds", str(rounds), "--data", str(data),
+def measure(kind: str, rounds: int, data: Path, cohort: int = 100, clients: int = 1000, processes: int = 1,
+            script: str = __file__) -> dict:
+    """Run one measurement (``script --worker kind``) in a fresh process; summarise its round times (the
+    first round is warm-up) and the machine's load when it ended."""
+    cmd = [sys.executable, script, "--worker", kind, "--rounds", str(rounds), "--data", str(data),
            "--cohort", str(cohort), "--clients", str(clients), "--processes", str(processes)]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode != 0:
@@ -152,8 +154,23 @@ def measure(kind: str, rounds: int, data: Path, cohort: int = 100, clients: int 
     r = json.loads(out.stdout.strip().splitlines()[-1])
     timed = r["round_seconds"][1:] or r["round_seconds"]
     r.update(seconds_per_round=statistics.median(timed), client_updates_per_s=cohort / statistics.median(timed),
-             cohort=cohort, rounds_timed=len(timed), data=str(data))
+             cohort=cohort, rounds_timed=len(timed), data=str(data), load_after=os.getloadavg()[0])
     return r
+
+
+def finish(report: dict, out: Path | None) -> int:
+    """Print ``report`` (JSON, then its ratios one per line), write it to ``out``; 1 if a goal is missed."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    for name, value in report["ratios"].items():
+        if isinstance(value, float):
+            print(f"{name:32s} {value:7.2f}")
+    if out:
+        out.write_text(text)
+    missed = [k for k, v in report["goals"].items() if not v["met"]]
+    if missed:
+        print(f"goals missed: {', '.join(missed)}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 def main() -> int:
@@ -245,15 +262,7 @@ def main() -> int:
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios,
               "goals": {k: {"met": v, "target": GOALS[k]} for k, v in goals.items()}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    missed = [k for k, v in goals.items() if not v]
-    if missed:
-        print(f"goals missed: {', '.join(missed)}", file=sys.stderr)
-    return 1 if missed else 0
-
+    return finish(report, args.out)
 
 if __name__ == "__main__":
     sys.exit(main())

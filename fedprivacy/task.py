@@ -102,7 +102,9 @@ def data_provenance(cfg: DataConfig) -> dict[str, Any]:
             "generator": generator, "files": {p.name: file_identity(p) for p in data_files(cfg)}}
 
 
-def _cache_root(cfg: DataConfig) -> Path | None:
+def cache_root(cfg: DataConfig) -> Path | None:
+    """The folder of ``cfg``'s preprocessing cache (``data.cache_dir``, else ``<data.path>/.fedprivacy-cache``),
+    or None when ``data.cache`` is off."""
     if not cfg.cache:
         return None
     return cfg.cache_dir if cfg.cache_dir is not None else cfg.path / ".fedprivacy-cache"
@@ -117,7 +119,7 @@ def _split_views(cfg: DataConfig, prepare) -> tuple[object, Partition, object, s
     indices into the test data (adadps view, where the test data is the training users' data).
     """
     source: ExampleSource = open_source(cfg.source, cfg.path)
-    root = _cache_root(cfg)
+    root = cache_root(cfg)
     first = ADADPS_CLIENTS if cfg.view == "adadps" and cfg.max_clients is None else cfg.max_clients
     train, status = prepare(source, "train", first=first, sample=cfg.client_sample,
                             seed=cfg.client_sample_seed, cache_root=root)

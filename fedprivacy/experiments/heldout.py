@@ -21,7 +21,7 @@ from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.data.prepared import prepared_tags, prepared_tokens
 from fedprivacy.data.sources import file_identity, open_source
 from fedprivacy.experiments.study import heldout_name
-from fedprivacy.task import BUILTIN_TASKS, _cache_root, load_task
+from fedprivacy.task import BUILTIN_TASKS, cache_root, load_task
 
 HELDOUT_FILE = "heldout.json"
 FINAL_MODEL = "final_model.pt"
@@ -34,7 +34,7 @@ def _heldout_task(cfg: RunConfig, clients: int | None):
         raise ConfigError(f"selection.split=heldout: data.task {data.task!r} is a user's task; held-out users "
                           "exist only for the built-in StackOverflow tasks")
     task = load_task(data)
-    source, root = open_source(data.source, data.path), _cache_root(data)
+    source, root = open_source(data.source, data.path), cache_root(data)
     if data.task == "next_word":
         held, _ = prepared_tokens(source, "heldout", vocab_size=data.vocab_size, seq_len=data.seq_len,
                                   first=clients, cache_root=root)
