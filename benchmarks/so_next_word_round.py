@@ -70,20 +70,8 @@ def _config(engine: str, rounds: int, data: Path, out: Path, cohort: int, client
 
 
 def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: int, processes: int) -> dict:
-    """One fedprivacy engine in this process: per-round seconds from the run's metrics."""
-    import pandas as pd
-
-    from fedprivacy.run import run
-
-    with tempfile.TemporaryDirectory() as tmp:
-        # one extra round, not reported: a run always evaluates after its last round
-        cfg = _config(engine, rounds + 1, data, Path(tmp) / engine, cohort, clients, processes)
-        t0 = time.perf_counter()
-        summary = run(cfg)
-        wall = time.perf_counter() - t0
-        seconds = pd.read_csv(Path(tmp) / engine / "metrics.csv")["seconds"].tolist()[:-1]
-    return {"engine": engine, "processes": cfg.processes, "population": summary["population"],
-            "round_seconds": seconds, "wall_s_including_startup": wall}
+    """One fedprivacy engine in this process on this workload (:func:`so_tag_round.worker_engine`)."""
+    return so_tag_round.worker_engine(engine, rounds, data, cohort, clients, processes, make_config=_config)
 
 
 def _load(rounds: int, data: Path, cohort: int, clients: int):

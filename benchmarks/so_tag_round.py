@@ -67,16 +67,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: int, processes: int = 1) -> dict:
+def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: int, processes: int = 1,
+                  make_config=None) -> dict:
     """One fedprivacy engine in this process (and, in-process, ``processes - 1`` forked workers):
-    per-round seconds from the run's metrics."""
+    per-round seconds from the run's metrics. ``make_config`` (default this workload's ``_config``)
+    builds the run config from ``(engine, rounds, data, out, cohort, clients, processes)``."""
     import pandas as pd
 
     from fedprivacy.run import run
 
     with tempfile.TemporaryDirectory() as tmp:
         # one extra round, not reported: a run always evaluates after its last round
-        cfg = _config(engine, rounds + 1, data, Path(tmp) / engine, cohort, clients, processes)
+        cfg = (make_config or _config)(engine, rounds + 1, data, Path(tmp) / engine, cohort, clients, processes)
         t0 = time.perf_counter()
         summary = run(cfg)
         wall = time.perf_counter() - t0

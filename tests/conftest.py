@@ -1,6 +1,7 @@
 """Shared fixtures: one small synthetic StackOverflow data set per test session, fake GPUs, and the
 ``flwr`` command with a private local SuperLink."""
 
+import contextlib
 import os
 import signal
 import shutil
@@ -87,7 +88,5 @@ def flwr_cli(tmp_path):
     yield flwr, env
     for pid in _local_superlinks(control_port):
         for p in [pid, *descendants(pid)]:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.kill(p, signal.SIGTERM)
-            except ProcessLookupError:
-                pass

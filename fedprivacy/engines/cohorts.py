@@ -55,9 +55,9 @@ replies chunk by chunk and the working set stays near the cache."""
 MIN_CHUNK, MAX_CHUNK = 8, 256
 
 
-def config_obstacle(cfg: RunConfig, task: Task, model: torch.nn.Module) -> str | None:
-    """Why ``cfg``'s clients (of ``task``, training ``model``) cannot be trained together, naming the
-    setting, or ``None``."""
+def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
+    """Why ``cfg``'s clients (of ``task``) cannot be trained together, naming the setting, or ``None``;
+    read from the config and the task alone (the model's own obstacles: :func:`unsupported_reason`)."""
     if cfg.engine != "inprocess" or cfg.processes > 1:
         return f"engine {cfg.engine!r} with processes={cfg.processes} (needs 'inprocess' with processes: 1)"
     for name, value in (("client.sample_dp", cfg.client.sample_dp), ("client.adadps", cfg.client.adadps),
@@ -70,7 +70,7 @@ def config_obstacle(cfg: RunConfig, task: Task, model: torch.nn.Module) -> str |
         return f"data.task={cfg.data.task!r} trains in closed form (its own fast path)"
     if task.population == 0:
         return "the task has no clients"
-    return unsupported_reason(model, *task.client_data(0))
+    return None
 
 
 def chunk_size(model: torch.nn.Module) -> int:
@@ -140,8 +140,10 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
     if cfg.cohort_batching == "off":
         return None
     task = load_task(cfg.data)
-    model = task.new_model(cfg.device)
-    reason = config_obstacle(cfg, task, model)
+    reason = config_obstacle(cfg, task)  # before building a model: the default tag run stops here
+    model = None if reason is not None else task.new_model(cfg.device)
+    if reason is None:
+        reason = unsupported_reason(model, *task.client_data(0))
     if reason is None and cfg.cohort_batching == "auto" and (
             type(model) is NextWordLSTM or sum(p.numel() for p in model.parameters()) > AUTO_MAX_PARAMETERS
             or cfg.privacy.expected_cohort < AUTO_MIN_COHORT):

@@ -12,6 +12,7 @@ it kills every Ray process of the machine, including other runs' local Ray insta
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import shutil
 import signal
@@ -79,10 +80,8 @@ def _signal(pgids: list[int], sig: int) -> None:
     """Send ``sig`` to every live member of the groups, by pid."""
     for pgid in pgids:
         for pid in _group_members(pgid):
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 def _stop(pgids: list[int], grace_s: float = 15.0) -> list[int]:
