@@ -27,8 +27,9 @@ Seams: a subclass may override :meth:`aggregator` (how updates are clipped and s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -50,6 +51,18 @@ class AdaptiveClipping:
     target_quantile: float
     learning_rate: float
     count_stddev: float
+
+
+def _check_arguments(noise_multiplier: float, clip_norm: float, expected_cohort: int, placement: str) -> None:
+    """A clear ``ValueError`` naming the argument, before anything is drawn or accounted."""
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0.0):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
+    if not (math.isfinite(clip_norm) and clip_norm > 0.0):
+        raise ValueError(f"clip_norm must be a finite number > 0, got {clip_norm}")
+    if isinstance(expected_cohort, bool) or int(expected_cohort) != expected_cohort or expected_cohort < 1:
+        raise ValueError(f"expected_cohort must be an integer >= 1, got {expected_cohort}")
+    if placement not in get_args(Placement):
+        raise ValueError(f"placement must be one of {list(get_args(Placement))}, got {placement!r}")
 
 
 class GaussianMechanism:
@@ -74,6 +87,7 @@ class GaussianMechanism:
                  adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
                  noise_population: int | None = None, seed: int = 0, secure: bool = False,
                  device: str | torch.device = "cpu") -> None:
+        _check_arguments(noise_multiplier, clip_norm, expected_cohort, placement)
         self.noise_multiplier = noise_multiplier
         self.expected_cohort = expected_cohort
         self.population = population

@@ -74,4 +74,7 @@ class FixedSizeSampler(_Sampler):
 
 def make_sampler(kind: str, population: int, expected_cohort: int, seed: int, secure: bool = False) -> _Sampler:
     """Build the sampler named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``)."""
-    return {"poisson": PoissonSampler, "fixed": FixedSizeSampler}[kind](population, expected_cohort, seed, secure)
+    samplers = {"poisson": PoissonSampler, "fixed": FixedSizeSampler}
+    if kind not in samplers:
+        raise ValueError(f"sampling must be one of {sorted(samplers)}, got {kind!r}")
+    return samplers[kind](population, expected_cohort, seed, secure)

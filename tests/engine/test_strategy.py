@@ -5,6 +5,8 @@ import logging
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -279,3 +281,20 @@ def test_without_record_level_a_missing_or_invalid_event_is_ignored_and_the_upda
     result = _start(required, _plain_client_app(), 4, rounds=1, lr=0.5)  # no event at all, but required
     assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 4 and required.client_epsilons() == {}
 
+
+
+_VALID = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=100)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(
+    st.tuples(st.just("noise_multiplier"), st.one_of(st.floats(max_value=-1e-300), st.just(math.nan),
+                                                    st.just(math.inf))),
+    st.tuples(st.just("clip_norm"), st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf))),
+    st.tuples(st.just("expected_cohort"), st.one_of(st.integers(max_value=0), st.just(2.5))),
+    st.tuples(st.just("sampling"), st.text().filter(lambda s: s not in ("poisson", "fixed"))),
+    st.tuples(st.just("placement"), st.text().filter(lambda s: s not in ("central", "distributed", "local")))))
+def test_a_bad_argument_is_refused_up_front_naming_it(bad):
+    name, value = bad
+    with pytest.raises(ValueError, match=name):
+        DPFedAvg(**{**_VALID, name: value})
