@@ -18,21 +18,24 @@ Workers are ``spawn``-ed processes (no state shared with the parent; torch uses 
 When the runs use CUDA, each worker sees one GPU (``CUDA_VISIBLE_DEVICES``: worker ``i`` the
 ``i mod n``-th of ``n``, :func:`fedprivacy.devices.worker_gpus`) and there is one worker per GPU by default.
 Data are generated and the preprocessing cache is filled in the parent first, so workers never race
-to build them. A worker exits when its parent dies (checked every 0.5 s), and holds a lock on its
-run folder while it runs, so a restarted sweep never writes into a run an orphan still holds.
+to build them. A worker dies with its parent (at once on Linux, ``PR_SET_PDEATHSIG``; elsewhere at the
+next 0.5 s check), and holds a lock on its run folder while it runs, so a restarted sweep never writes
+into a run an orphan still holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -54,6 +57,7 @@ MANIFEST = "study.json"
 RUN_RECORD = "sweep_run.json"
 ERROR_FILE = "error.txt"
 MANIFEST_VERSION = 1
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class StudyChangedError(ValueError):
@@ -162,11 +166,22 @@ def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
 _events = None
 
 
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGKILL this worker the moment its parent dies (``PR_SET_PDEATHSIG``).
+
+    Without it the worker only notices at :func:`_watch_parent`'s next poll, and a fast run can meanwhile
+    finish rounds (or the whole run) for a sweep that no longer exists.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _watch_parent(parent: int) -> None:
     while True:
-        time.sleep(0.5)
         if os.getppid() != parent:  # the sweep died (killed): stop, the restart resumes this run
             os._exit(1)
+        time.sleep(0.5)
 
 
 def _init_worker(events, parent: int, gpu: str | None) -> None:
@@ -176,7 +191,8 @@ def _init_worker(events, parent: int, gpu: str | None) -> None:
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    _die_with_parent()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()  # also where prctl is missing
 
 
 def _log_to(path: Path) -> None:
@@ -242,7 +258,7 @@ def prepare_data(specs: list[RunSpec]) -> None:
             load_task(spec.config.data)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _single_threaded_children() -> Iterator[None]:
     """BLAS/OpenMP in spawned workers use one thread (torch's own count is set by each run)."""
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")

@@ -122,6 +122,42 @@ def test_killed_sweep_restarts_where_it_stopped_and_matches_an_uninterrupted_one
                                       clean[name][keep_c].reset_index(drop=True), check_exact=True, obj=name)
 
 
+_ORPHAN_PARENT = """
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from fedprivacy.experiments.sweep import _init_worker
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(None, os.getpid(), None))
+    print(pool.submit(os.getpid).result(), flush=True)
+    time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_dies_at_once_with_its_sweep():
+    """SIGKILL of the sweep kills its worker within 0.3 s (the fallback poll takes up to 0.5 s): an orphan
+    cannot go on running rounds, or finish a run, for a sweep that no longer exists."""
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+    worker = int(parent.stdout.readline())
+    time.sleep(0.6)  # past the fallback watcher's first check
+    assert _alive(worker)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 0.3
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(worker)
+
+
 DOOMED = "DP-FedAdam__eps8__default__s0"
 
 
