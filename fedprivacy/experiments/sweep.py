@@ -25,17 +25,15 @@ into a run an orphan still holds.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -45,7 +43,7 @@ from typing import Any
 
 from fedprivacy.config import RunConfig, config_differences, config_from_json
 from fedprivacy.devices import worker_gpus
-from fedprivacy.engines.processes import usable_cores
+from fedprivacy.engines.processes import die_with_parent, usable_cores
 from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
 from fedprivacy.locks import FolderBusyError, locked
@@ -57,7 +55,6 @@ MANIFEST = "study.json"
 RUN_RECORD = "sweep_run.json"
 ERROR_FILE = "error.txt"
 MANIFEST_VERSION = 1
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class StudyChangedError(ValueError):
@@ -166,17 +163,6 @@ def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
 _events = None
 
 
-def _die_with_parent() -> None:
-    """On Linux, ask the kernel to SIGKILL this worker the moment its parent dies (``PR_SET_PDEATHSIG``).
-
-    Without it the worker only notices at :func:`_watch_parent`'s next poll, and a fast run can meanwhile
-    finish rounds (or the whole run) for a sweep that no longer exists.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _watch_parent(parent: int) -> None:
     while True:
         if os.getppid() != parent:  # the sweep died (killed): stop, the restart resumes this run
@@ -191,7 +177,7 @@ def _init_worker(events, parent: int, gpu: str | None) -> None:
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
-    _die_with_parent()
+    die_with_parent(parent)  # at once on Linux: an orphan must not finish rounds for a dead sweep
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()  # also where prctl is missing
 
 
@@ -258,7 +244,7 @@ def prepare_data(specs: list[RunSpec]) -> None:
             load_task(spec.config.data)
 
 
-@contextlib.contextmanager
+@contextmanager
 def _single_threaded_children() -> Iterator[None]:
     """BLAS/OpenMP in spawned workers use one thread (torch's own count is set by each run)."""
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
