@@ -21,7 +21,8 @@ from fedprivacy.experiments.study import build_study
 from test_results import _fake_study
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federated:grid", "study_b_reddi_tags"},
+DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federated:grid", "study_b_reddi_tags",
+                             "study_c_next_word"},
         "docs/COMPARISON.md": {"compare_adambc_regime", "compare_adambc_regime:grid", "compare_adambc_low_noise",
                                "compare_server_optimizers", "compare_server_optimizers:grid"}}
 
