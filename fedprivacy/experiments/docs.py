@@ -33,6 +33,7 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, _grid, _summary
+from fedprivacy.experiments.study import column_title
 
 SUMMARY_VERSION = 1
 RUN_FIELDS = ("method", "budget", "budget_epsilon", "hparams", "seed", "rounds_completed", "noise_multiplier",
@@ -116,17 +117,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _column_title(name: str) -> str:
-    column, _, last = name.rpartition("_last")
-    return f"{column} (mean of last {last} rounds)"
-
-
 def render_summary_table(s: StoredSummary) -> str:
     """The selected grid point of each method x budget, mean ± sample std over seeds, with the footer
     that states the selection rule and the majority baseline."""
     summ, m, sel = s.summary(), s.metric, s.selection
     header = ["method", "budget", "selected (of grid points)", "seeds", f"{sel['metric']} (selection)",
-              f"final {m}", f"best {m}", *map(_column_title, s.columns), "epsilon (rdp)"]
+              f"final {m}", f"best {m}", *map(column_title, s.columns), "epsilon (rdp)"]
     rows = [[r["method"], r["budget"], f"{r['hparams']} (of {r['grid_points']})", str(r["n_seeds"]),
              _pm(r["selection_score_mean"], r["selection_score_std"]),
              _pm(r[f"final_{m}_mean"], r[f"final_{m}_std"]), _pm(r[f"best_{m}_mean"], r[f"best_{m}_std"]),
@@ -150,7 +146,7 @@ def render_grid_table(s: StoredSummary) -> str:
     """Every grid point of every method x budget, with which one the selection picked."""
     g, m, sel = s.grid(), s.metric, s.selection
     header = ["method", "budget", "setting", "seeds", f"{sel['metric']} (selection)", f"final {m}",
-              *map(_column_title, s.columns), "selected"]
+              *map(column_title, s.columns), "selected"]
     rows = [[r["method"], r["budget"], r["hparams"], str(r["n_seeds"]), _pm(r["score_mean"], r["score_std"]),
              _pm(r[f"final_{m}_mean"], r[f"final_{m}_std"]), *(_pm(r[f"{c}_mean"], r[f"{c}_std"]) for c in s.columns),
              "yes" if r["selected"] else ""] for _, r in g.iterrows()]

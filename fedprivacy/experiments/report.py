@@ -19,7 +19,7 @@ import yaml
 
 from fedprivacy.experiments.figures import budget_accountant, selected_epsilon_curves, write_figures
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, load_results, write_tables
-from fedprivacy.experiments.study import flat, nested
+from fedprivacy.experiments.study import column_title, flat, nested
 
 REPORT = "report.md"
 VARYING = ("seed", "output_dir")
@@ -136,7 +136,14 @@ def _grid_table(results: StudyResults) -> pd.DataFrame:
         "method": g["method"], "budget": g["budget"], "setting": g["hparams"], "seeds": g["n_seeds"],
         f"final {m}": [_pm(a, b) for a, b in zip(g[f"final_{m}_mean"], g[f"final_{m}_std"])],
         f"best {m}": [_pm(a, b) for a, b in zip(g[f"best_{m}_mean"], g[f"best_{m}_std"])],
+        **_extra_columns(results, g),
         "selection score": g["score_mean"], "selected": ["yes" if x else "" for x in g["selected"]]})
+
+
+def _extra_columns(results: StudyResults, table: pd.DataFrame) -> dict[str, list[str]]:
+    """The study's extra ``columns`` (mean ± std over seeds), titled as in the docs tables."""
+    return {column_title(c.name): [_pm(a, b) for a, b in zip(table[f"{c.name}_mean"], table[f"{c.name}_std"])]
+            for c in results.study.columns}
 
 
 def _summary_table(results: StudyResults) -> pd.DataFrame:
@@ -146,6 +153,7 @@ def _summary_table(results: StudyResults) -> pd.DataFrame:
         "grid": s["grid_points"], "seeds": s["n_seeds"],
         f"final {m}": [_pm(a, b) for a, b in zip(s[f"final_{m}_mean"], s[f"final_{m}_std"])],
         f"best {m}": [_pm(a, b) for a, b in zip(s[f"best_{m}_mean"], s[f"best_{m}_std"])],
+        **_extra_columns(results, s),
         f"selection ({results.selection[0]})": [_pm(a, b) for a, b in zip(s["selection_score_mean"],
                                                                          s["selection_score_std"])],
         f"epsilon ({budget_accountant(results)})": s[f"epsilon_{budget_accountant(results)}"],

@@ -145,6 +145,13 @@ class ColumnSpec(_Section):
         return f"{self.column}_last{self.last_rounds}"
 
 
+def column_title(name: str) -> str:
+    """A table header for the column named ``name`` (:attr:`ColumnSpec.name`), e.g.
+    ``x (mean of last 10 rounds)`` or ``x (last round)``."""
+    column, _, last = name.rpartition("_last")
+    return f"{column} (last round)" if last == "1" else f"{column} (mean of last {last} rounds)"
+
+
 class StudyConfig(_Section):
     """A comparison study (the YAML schema of ``fedprivacy compare``)."""
 

@@ -16,6 +16,7 @@ from fedprivacy.data.sources import open_source
 from fedprivacy.experiments import compare, load_study
 from fedprivacy.experiments.docs import (DocsTableError, export_summary, load_summary, marked_tables, render_docs,
                                          stale_tables)
+from fedprivacy.experiments.report import write_report
 from fedprivacy.experiments.results import load_results
 from fedprivacy.experiments.study import build_study
 from test_results import _fake_study
@@ -90,6 +91,8 @@ def test_extra_columns_average_the_last_rounds(tmp_path):
     export_summary(r, tmp_path / "fake.json")
     assert "epsilon_rdp (mean of last 2 rounds)" in render_docs("<!-- table:fake -->\n<!-- /table:fake -->",
                                                                   tmp_path)
+    report = write_report(tmp_path / "fake").read_text()  # the study's own report has the column too
+    assert report.count("| epsilon_rdp (mean of last 2 rounds) |") == 2 and "| 1.75 ± 0 |" in report
 
 
 @pytest.mark.parametrize("selection, field", [({"split": "heldout", "at": "best"}, "selection.at"),
