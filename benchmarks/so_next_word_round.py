@@ -22,9 +22,10 @@ Compared, in one run, with ratios against the bare loop and against Ray (exit st
     python benchmarks/so_next_word_round.py [--rounds 3] [--cohort 100] [--clients 1000]
         [--only inprocess bare pfl ray] [--repeat 2] [--processes N] [--data data/synthetic]
 
-A full run takes ~35 min on this 2-core machine under other agents' load (one next-word round of
-100 clients is ~20-40 s); ``--rounds 2 --cohort 30 --repeat 1`` keeps it near 10 min (``--cohort``:
-clients per round; ``--clients``: the population generated in ``--data`` if missing).
+A full run takes ~50 min on this quiet 2-core machine with the TFF-shaped data a fresh clone generates
+(one next-word round of 100 clients at the 256-sentence cap is ~40 s on 2 processes, ~70 s on one);
+``--rounds 2 --cohort 30 --repeat 1`` keeps it near 10 min (``--cohort``: clients per round;
+``--clients``: the population generated in ``--data`` if missing).
 
 The in-process engine runs on ``--processes`` processes (default: the machine's cores), Ray on one
 client per core; the bare loop and pfl on one thread (torch 1 thread), as fedprivacy's default.

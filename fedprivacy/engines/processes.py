@@ -19,6 +19,9 @@ process reads them itself between the clients it runs: no threads.
 - Nodes' ``Context.state`` stays with the grid (it is checkpointed there): the non-empty states of
   the batch's nodes travel with the batch, and the state a ClientApp leaves comes back with its
   reply.
+- A batch too small to pay its hand-over runs in the grid's process alone (:data:`FAN_OUT_FACTOR`:
+  measured seconds per client here and per hand-over, never a fixed size, so a 10-client LSTM round
+  still fans out while a 10-client round of the sparse tag model does not); the replies are the same.
 - At most ``window`` messages are claimed and not yet yielded (a semaphore), so the replies held
   while an earlier one is still running are bounded (dense 20 MB updates stay affordable).
 - A worker that dies (killed, out of memory) loses only the message it was running: that reply is
@@ -56,6 +59,12 @@ log = logging.getLogger(__name__)
 WORKER_DIED = 2  # error code of the reply to a message whose worker process died while running it
 RING_BYTES = 64 << 20  # each worker's reply ring; a reply pickle over a quarter of it travels through the pipe instead
 OUT_OF_BAND_BYTES = 1 << 16  # a reply's bytes objects from this size on are copied into the ring, not into its pickle
+FAN_OUT_FACTOR = 5.0
+"""A batch goes to the workers only when its expected serial time (its size times the measured seconds
+per client here) is at least this many times the last measured hand-over (pickling the batch here plus
+the slowest worker's unpickling). Below it the hand-over delays the workers past most of the batch
+while they compete for the cores with this process and its noise thread: on 2 cores, a 10-client
+round of the 5M-parameter tag model ran 1.2x faster in one process than on two (BENCHMARKS.md)."""
 RunClient = Callable[[Message, RecordDict], tuple[Message, RecordDict]]
 """Run a message's ClientApp with its node's state; return the reply and the node's new state."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -148,6 +157,9 @@ class ProcessPool:
         self._batch_file = _SharedFile(64 << 20)
         self._rings = {w: _SharedFile(RING_BYTES) for w in range(1, processes)}
         self._results: dict[int, tuple[Message, RecordDict]] = {}
+        self._client_seconds: dict[str, float] = {}  # per message type: moving average of one ClientApp run here
+        self._publish_seconds = 0.0  # pickling the last fanned-out batch here
+        self._load_seconds: dict[int, float] = {}  # per worker: unpickling the last batch it read
         self._messages: Sequence[Message] = ()
         self._unanswered: set[int] = set()
         self._conns: dict[int, Connection] = {}
@@ -181,7 +193,7 @@ class ProcessPool:
             self._batch.value += 1
             batch = self._batch.value
             self._next.value, self._size.value = 0, n
-        if self._conns and n:
+        if self._conns and n and self._worth_fanning_out(n):
             self._publish(batch, (batch, list(messages), states))
         try:
             for i in range(n):
@@ -194,10 +206,20 @@ class ProcessPool:
         finally:
             self._finish_batch()
 
+    def _worth_fanning_out(self, n: int) -> bool:
+        """Whether ``n`` messages should go to the workers too (see :data:`FAN_OUT_FACTOR`); yes until both
+        costs have been measured. Either way the replies are the same: only the speed depends on it."""
+        loads = [self._load_seconds[w] for w in self._conns if w in self._load_seconds]
+        client = self._client_seconds.get(self._messages[0].metadata.message_type)
+        if client is None or not loads:
+            return True
+        return n * client >= FAN_OUT_FACTOR * (self._publish_seconds + max(loads))
+
     def _publish(self, batch: int, payload: object) -> None:
         """Pickle the batch into the shared buffer (once every worker has read the last one) and tell them."""
         while any(self._loaded[w] < self._published for w in self._conns):  # the buffer is about to be overwritten
             self._pump(timeout=0.5)
+        started = time.perf_counter()
         size = len(self._batch_file.map)
         while True:
             buffer = self._batch_file.view(size)
@@ -209,6 +231,7 @@ class ProcessPool:
                 size *= 2
                 self._batch_file.grow(size)
         length, self._published = buffer.tell(), batch
+        self._publish_seconds = time.perf_counter() - started
         for w, conn in list(self._conns.items()):
             try:
                 conn.send(("batch", batch, length))
@@ -226,9 +249,16 @@ class ProcessPool:
             k = self._claim()
             if k is not None:
                 msg = self._messages[k]
+                started = time.perf_counter()
                 self._results[k] = self._run_client(msg, states.get(msg.metadata.dst_node_id, RecordDict()))
+                self._note_client_seconds(msg.metadata.message_type, time.perf_counter() - started)
             else:
                 self._pump(timeout=0.5)
+
+    def _note_client_seconds(self, message_type: str, seconds: float) -> None:
+        """Fold one ClientApp run of this process into its message type's moving average (weight 0.2)."""
+        before = self._client_seconds.get(message_type)
+        self._client_seconds[message_type] = seconds if before is None else 0.8 * before + 0.2 * seconds
 
     def _claim(self) -> int | None:
         """Claim the next message of the batch for this process (``None``: none left, or the window is full)."""
@@ -257,7 +287,7 @@ class ProcessPool:
                     self._worker_died(w)
                     break
                 if notice[0] == "loaded":
-                    self._loaded[w] = notice[1]
+                    self._loaded[w], self._load_seconds[w] = notice[1], notice[2]
                 else:
                     self._receive(w, *notice)
                 if not conn.poll():
@@ -351,8 +381,9 @@ class ProcessPool:
             if notice is None:
                 return
             _, batch, length = notice
+            started = time.perf_counter()
             _, messages, states = pickle.loads(memoryview(self._batch_file.view(length))[:length])
-            conn.send(("loaded", batch))
+            conn.send(("loaded", batch, time.perf_counter() - started))
             while (k := self._claim_in_worker(w, batch, parent)) is not None:
                 msg = messages[k]
                 result = self._run_client(msg, states.get(msg.metadata.dst_node_id, RecordDict()))

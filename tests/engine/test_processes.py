@@ -37,6 +37,13 @@ PARENT_PACE_S = 0.02
 a loaded machine still claims some of a batch (the tests below need both processes to run clients)."""
 
 
+@pytest.fixture(autouse=True)
+def _always_fan_out(monkeypatch):
+    """These tests are about the workers: every batch goes to them (the speed rule would keep small,
+    fast batches here; its own test sets it back)."""
+    monkeypatch.setattr(processes, "FAN_OUT_FACTOR", 0.0)
+
+
 def _echo_app() -> ClientApp:
     """Replies with its node, the pid that ran it and how often this node ran (kept in its state);
     raises for node 5."""
@@ -74,6 +81,21 @@ def test_replies_come_in_message_order_from_both_processes_and_state_stays_with_
         assert sorted(grid.node_state_dict()) == [n for n in nodes if n != 5]
         assert grid._pool.workers_alive == 1
     assert grid._pool is None
+
+
+@pytest.mark.parametrize("factor, ran_here_only", [(1e9, True), (0.0, False)])
+def test_a_batch_too_small_to_pay_its_hand_over_runs_here_with_the_same_replies(monkeypatch, factor, ran_here_only):
+    """Once a client's time and the hand-over are measured, a batch whose serial time is under
+    FAN_OUT_FACTOR hand-overs runs in the grid's process alone; the replies and node states are the same."""
+    _identity()
+    monkeypatch.setattr(processes, "FAN_OUT_FACTOR", factor)
+    nodes = list(range(6, 26))
+    with InProcessGrid(_echo_app(), num_nodes=30, processes=2) as grid:
+        first = list(grid.send_and_receive(_batch(nodes)))  # nothing measured yet: fanned out
+        assert len({r.content["r"]["pid"] for r in first}) == 2
+        second = list(grid.send_and_receive(_batch(nodes)))
+        assert ({r.content["r"]["pid"] for r in second} == {os.getpid()}) is ran_here_only
+        assert [(r.metadata.src_node_id, r.content["r"]["seen"]) for r in second] == [(n, 2) for n in nodes]
 
 
 def test_an_abandoned_batch_leaves_the_pool_usable():
