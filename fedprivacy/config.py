@@ -439,7 +439,8 @@ class RunConfig(_Section):
     processes: int = Field(1, ge=1)
     """In-process engine: processes that run ClientApps, this one and ``processes - 1`` forked
     workers (:mod:`fedprivacy.engines.processes`); results are bit-identical for any number. Use
-    the machine's cores (e.g. 2 on 2 cores); ``device: cpu`` only (CUDA does not survive a fork)."""
+    the machine's cores (e.g. 2 on 2 cores): a round too small to pay the hand-over to the workers
+    runs in this process by itself. ``device: cpu`` only (CUDA does not survive a fork)."""
     cohort_batching: Literal["auto", "on", "off"] = "auto"
     """In-process engine: train a round's clients together, as one batched computation over their
     stacked parameters (:mod:`fedprivacy.engines.cohorts`); the updates equal one-at-a-time local SGD
