@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
@@ -46,11 +47,13 @@ from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpd
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+from fedprivacy.privacy.noise import torch_seed
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.task import Task, data_provenance, ensure_data, load_task
 
 log = logging.getLogger(__name__)
 
+MODEL_INIT_STREAM = 0x696E6974  # "init": the initial model's random initialisation, per run seed
 NODE_DISCOVERY_TIMEOUT_S = 600.0
 REGISTRATION_SETTLE_S = 5.0
 """Once some SuperNodes are registered, how long their count may stay below the population before the
@@ -156,6 +159,16 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
     return RunConfig.model_validate(tree)
 
 
+def initial_model(task: Task, seed: int, device: str) -> torch.nn.Module:
+    """``x_0``: the task's new model, its random initialisation drawn from the run seed
+    (:data:`MODEL_INIT_STREAM`), not from torch's global generator, whose state depends on whatever ran
+    before in the process (a sweep worker runs several runs; clients build models too). torch's CPU
+    generator is restored afterwards; ``torch.manual_seed`` also seeds CUDA's, for a model built there."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(np.random.SeedSequence([seed, MODEL_INIT_STREAM])))
+        return task.new_model(device)
+
+
 class DPFedAvgServer:
     """Holds the server's state and runs the rounds against a Flower ``Grid``."""
 
@@ -175,7 +188,7 @@ class DPFedAvgServer:
         # the population and cohort the privacy claim refers to (a deployment's, when emulating)
         self.claim_population = p.noise_population or self.population
         self.delta = p.delta if p.delta is not None else 1.0 / self.claim_population
-        self.model = task.new_model(cfg.device)
+        self.model = initial_model(task, cfg.seed, cfg.device)
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
         self.layout = {name: tuple(p.shape) for name, p in self.model.named_parameters()}  # of the broadcast
         self.mechanism = build_mechanism(cfg, self.population, self.mechanism_cls)
