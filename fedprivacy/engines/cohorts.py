@@ -141,15 +141,13 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
         return None
     task = load_task(cfg.data)
     reason = config_obstacle(cfg, task)  # before building a model: the default tag run stops here
-    model = None if reason is not None else task.new_model(cfg.device)
     if reason is None:
+        model = task.new_model(cfg.device)
         reason = unsupported_reason(model, *task.client_data(0))
-    if reason is None and cfg.cohort_batching == "auto" and (
-            type(model) is NextWordLSTM or sum(p.numel() for p in model.parameters()) > AUTO_MAX_PARAMETERS
-            or cfg.privacy.expected_cohort < AUTO_MIN_COHORT):
-        return None
-    if reason is None:
-        reason = _trial_step(cfg, task, model)
+        if reason is None:
+            if cfg.cohort_batching == "auto" and not _auto_chooses(cfg, model):
+                return None
+            reason = _trial_step(cfg, task, model)
     if reason is not None:
         if cfg.cohort_batching == "on":
             raise ConfigError(f"cohort_batching='on' is not possible here: {reason}")
@@ -159,6 +157,13 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
     log.info("training cohorts together, %d clients per batched step (cohort_batching=%s)", trainer.chunk,
              cfg.cohort_batching)
     return trainer
+
+
+def _auto_chooses(cfg: RunConfig, model: torch.nn.Module) -> bool:
+    """``auto``'s rule (never a timing): not the LSTM, at most :data:`AUTO_MAX_PARAMETERS` parameters,
+    an expected cohort of at least :data:`AUTO_MIN_COHORT`."""
+    return (type(model) is not NextWordLSTM and sum(p.numel() for p in model.parameters()) <= AUTO_MAX_PARAMETERS
+            and cfg.privacy.expected_cohort >= AUTO_MIN_COHORT)
 
 
 def _trial_step(cfg: RunConfig, task: Task, model: torch.nn.Module) -> str | None:

@@ -193,7 +193,7 @@ class ProcessPool:
             self._batch.value += 1
             batch = self._batch.value
             self._next.value, self._size.value = 0, n
-        if self._conns and n and self._worth_fanning_out(n):
+        if self._conns and n and self._worth_fanning_out(messages):
             self._publish(batch, (batch, list(messages), states))
         try:
             for i in range(n):
@@ -206,14 +206,14 @@ class ProcessPool:
         finally:
             self._finish_batch()
 
-    def _worth_fanning_out(self, n: int) -> bool:
-        """Whether ``n`` messages should go to the workers too (see :data:`FAN_OUT_FACTOR`); yes until both
+    def _worth_fanning_out(self, messages: Sequence[Message]) -> bool:
+        """Whether ``messages`` should go to the workers too (see :data:`FAN_OUT_FACTOR`); yes until both
         costs have been measured. Either way the replies are the same: only the speed depends on it."""
         loads = [self._load_seconds[w] for w in self._conns if w in self._load_seconds]
-        client = self._client_seconds.get(self._messages[0].metadata.message_type)
+        client = self._client_seconds.get(messages[0].metadata.message_type)
         if client is None or not loads:
             return True
-        return n * client >= FAN_OUT_FACTOR * (self._publish_seconds + max(loads))
+        return len(messages) * client >= FAN_OUT_FACTOR * (self._publish_seconds + max(loads))
 
     def _publish(self, batch: int, payload: object) -> None:
         """Pickle the batch into the shared buffer (once every worker has read the last one) and tell them."""

@@ -282,7 +282,6 @@ def test_without_record_level_a_missing_or_invalid_event_is_ignored_and_the_upda
     assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 4 and required.client_epsilons() == {}
 
 
-
 _VALID = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=100)
 
 
