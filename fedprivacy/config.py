@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -25,6 +27,20 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?|mps")
 MAX_NOISE_STD = math.sqrt(3.4028234663852886e38)
 """Largest clip norm, noise multiplier and noise std (z C) on the sum: their squares (the noise's
 variance) stay finite in float32, the models' dtype (1e308 would overflow the noise draw)."""
+
+
+def _accountable(z: float) -> float:
+    """A noise multiplier the accountants compute (:mod:`fedprivacy.privacy.bounds`)."""
+    if not (z == 0.0 or MIN_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER):
+        raise ValueError(f"must be 0 (no privacy) or in [{MIN_NOISE_MULTIPLIER}, {MAX_NOISE_MULTIPLIER:g}] "
+                         f"(what the accountants compute), got {z}")
+    return z
+
+
+NoiseMultiplier = Annotated[float, Field(ge=0.0, le=MAX_NOISE_STD), AfterValidator(_accountable)]
+"""z = noise std / clip norm: 0, or within what the accountants compute."""
+Delta = Annotated[float, Field(ge=MIN_DELTA, lt=1.0)]
+"""A delta within what the accountants compute."""
 
 
 class ConfigError(ValueError):
@@ -95,7 +111,7 @@ class SampleDPClientConfig(_Section):
 
     optimizer: Literal["sgd", "adam", "adambc", "microadam"] = "sgd"
     lr: float = Field(0.1, ge=0.0)
-    noise_multiplier: float = Field(1.0, ge=0.0, le=MAX_NOISE_STD)
+    noise_multiplier: NoiseMultiplier = 1.0
     clip_norm: float = Field(1.0, gt=0.0, le=MAX_NOISE_STD)
     batch_size: float = Field(16.0, gt=0.0)
     """Expected records per step (Poisson); capped at n_i for clients with fewer records."""
@@ -106,7 +122,7 @@ class SampleDPClientConfig(_Section):
     accountant: Literal["rdp", "prv"] = "rdp"
     """Accountant of the epsilon each client reports for its round (reply metrics); the run's
     per-client files compose the rounds under every ``privacy.accountants``."""
-    target_delta: float | None = Field(None, gt=0.0, lt=1.0)
+    target_delta: Delta | None = None
     """One delta for every client's record-level epsilon; None: ``delta_factor / n_i`` (n_i: the client's
     privacy units). Clients with delta >= 1 / n_i are flagged in ``client_privacy.csv`` (``weak_delta``)."""
     delta_factor: float = Field(0.1, gt=0.0, lt=1.0)
@@ -323,7 +339,7 @@ class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
     clip_norm: float = Field(10.0, gt=0.0, le=MAX_NOISE_STD)
-    noise_multiplier: Annotated[float, Field(ge=0.0, le=MAX_NOISE_STD)] | Literal["auto"] = 1.0
+    noise_multiplier: NoiseMultiplier | Literal["auto"] = 1.0
     """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy). ``auto``:
     calibrated when the run starts (the population is known then) so that epsilon after ``rounds``
     rounds under ``budget_accountant`` is within 1% below ``target_epsilon``."""
@@ -332,8 +348,8 @@ class PrivacyConfig(_Section):
     fixed: exactly expected_cohort users without replacement."""
     expected_cohort: int = Field(100, ge=1)
     """m: expected (poisson) or exact (fixed) cohort size; also the fixed divisor."""
-    delta: float | None = Field(None, gt=0.0, lt=1.0)
-    """Target delta; default 1 / population."""
+    delta: Delta | None = None
+    """Target delta; default 1 / population (a delta >= 1 / population is logged as a WARNING)."""
     accountants: tuple[Literal["rdp", "prv", "pld"], ...] = ("rdp", "prv", "pld")
     budget_accountant: Literal["rdp", "prv", "pld"] = "rdp"
     """Accountant whose epsilon is checked against ``target_epsilon``."""
@@ -598,7 +614,9 @@ def read_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{what} file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{what} file {path} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from fedprivacy.config import MAX_NOISE_STD, ConfigError, RunConfig, build_config
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
 
 NON_FINITE = st.sampled_from([math.inf, -math.inf, math.nan, ".inf", "-.inf", ".nan"])
 HUGE = st.floats(min_value=MAX_NOISE_STD * 1.0001, max_value=1.7976931348623157e308)
@@ -47,7 +48,7 @@ def test_negative_clip_and_noise_are_refused_naming_the_field(field, value):
 
 
 @settings(max_examples=30, deadline=None)
-@given(z=st.floats(min_value=1.0, max_value=MAX_NOISE_STD), c=st.floats(min_value=1.0, max_value=MAX_NOISE_STD))
+@given(z=st.floats(min_value=1.0, max_value=MAX_NOISE_MULTIPLIER), c=st.floats(min_value=1.0, max_value=MAX_NOISE_STD))
 def test_a_noise_std_whose_square_overflows_is_refused_naming_both_fields(z, c):
     tree = {"privacy": {"noise_multiplier": z, "clip_norm": c}}
     if z * c <= MAX_NOISE_STD:
@@ -55,6 +56,21 @@ def test_a_noise_std_whose_square_overflows_is_refused_naming_both_fields(z, c):
     else:
         with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier \* privacy\.clip_norm"):
             build_config(tree)
+
+
+@settings(max_examples=40, deadline=None)
+@given(field=st.sampled_from(["privacy.noise_multiplier", "client.sample_dp.noise_multiplier"]),
+       z=st.one_of(st.floats(min_value=5e-324, max_value=MIN_NOISE_MULTIPLIER, exclude_max=True),
+                   st.floats(min_value=MAX_NOISE_MULTIPLIER, max_value=MAX_NOISE_STD, exclude_min=True)))
+def test_a_noise_multiplier_the_accountants_cannot_compute_is_refused_naming_the_field(field, z):
+    """Hardening II, finding 3: z = 1e-300 crashed after release 1, z = 1e-30 without naming the field."""
+    assert f"{field}:" in _refused(field, z)
+
+
+@pytest.mark.parametrize("field", ["privacy.delta", "client.sample_dp.target_delta"])
+@pytest.mark.parametrize("delta", [1e-300, MIN_DELTA / 2, 1.0, 2.0])
+def test_a_delta_the_accountants_cannot_compute_is_refused_naming_the_field(field, delta):
+    assert f"{field}:" in _refused(field, delta)
 
 
 @pytest.mark.parametrize("override", ["privacy.clip_norm=.inf", "privacy.clip_norm=1e308",

@@ -37,6 +37,15 @@ Backends (``kind``), and why:
   single-round PLDs. ``PLDAccountant`` 0.6.0 has no branch for ``SampledWithoutReplacementDpEvent``:
   ``fixed`` gives ``None``. Grid spacing: :func:`pld_value_discretization_interval`.
 
+Accountable range (:mod:`fedprivacy.privacy.bounds`, where the backends' measured failures are
+listed; refused elsewhere by :class:`GaussianRound` and :func:`epsilon`): z = 0 (no privacy: ``inf``)
+or :data:`MIN_NOISE_MULTIPLIER` <= z <= :data:`MAX_NOISE_MULTIPLIER`; q = 0 or q >=
+:data:`MIN_SAMPLING_RATE`; delta in [:data:`MIN_DELTA`, 1). Within it, the grid-based backends still
+grow with ε itself (PRV ran out of 24 GiB at z = 0.05, q = 1, 100 rounds, ε ≈ 28,000): where the RDP
+bound (cheap, closed form) exceeds :data:`EPSILON_CEILING`, ``prv`` and ``pld`` report ``inf``
+without building a grid, which over-states a guarantee that certifies nothing anyway (e^100), never
+under-states it.
+
 Reported values (:func:`epsilon`, the one place every ε passes through): never negative, never
 NaN. (ε, δ)-DP implies (ε', δ)-DP for every ε' >= ε, so a raw ε < 0 is reported as 0; raw values
 do go negative at large δ, once δ exceeds the privacy-loss curve's δ(0) (the total variation
@@ -59,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -70,6 +80,11 @@ from dp_accounting import rdp as dp_rdp
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
+
+from fedprivacy.privacy.bounds import (EPSILON_CEILING, MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER,
+                                       MIN_SAMPLING_RATE)
+
+log = logging.getLogger(__name__)
 
 Sampling = Literal["poisson", "fixed", "none"]
 AccountantKind = Literal["rdp", "prv", "pld"]
@@ -118,8 +133,10 @@ class GaussianRound:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if not _is_real(self.noise_multiplier) or self.noise_multiplier < 0:
-            raise ValueError(f"{name}.noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
+        z = self.noise_multiplier
+        if not _is_real(z) or not (z == 0 or MIN_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER):
+            raise ValueError(f"{name}.noise_multiplier must be 0 or in [{MIN_NOISE_MULTIPLIER}, {MAX_NOISE_MULTIPLIER:g}] "
+                             f"(what the accountants compute), got {z!r}")
         if self.sampling not in get_args(Sampling):
             raise ValueError(f"{name}.sampling must be one of {get_args(Sampling)}, got {self.sampling!r}")
         if not _is_int(self.population, 1):
@@ -132,6 +149,9 @@ class GaussianRound:
         if self.sampling == "none" and m != self.population:
             raise ValueError(f"{name}.expected_cohort must equal population={self.population} for sampling='none', "
                              f"got {m!r}")
+        if 0 < m / self.population < MIN_SAMPLING_RATE:
+            raise ValueError(f"{name}.expected_cohort / population must be 0 or >= {MIN_SAMPLING_RATE:g} (what the "
+                             f"accountants compute), got {m!r} / {self.population}")
         for field, cast in (("noise_multiplier", float), ("population", int), ("expected_cohort", float)):
             object.__setattr__(self, field, cast(getattr(self, field)))
 
@@ -345,8 +365,8 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     Raises:
         ValueError: bad ``delta``, ``kind`` or ``rdp_orders``.
     """
-    if not _is_real(delta) or not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    if not _is_real(delta) or not MIN_DELTA <= delta < 1:
+        raise ValueError(f"delta must be in [{MIN_DELTA:g}, 1), got {delta!r}")
     if kind not in get_args(AccountantKind):
         raise ValueError(f"accountant kind must be one of {get_args(AccountantKind)}, got {kind!r}")
     orders = tuple(float(a) for a in (RDPAccountant.DEFAULT_ALPHAS if rdp_orders is None else rdp_orders))
@@ -360,9 +380,33 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
         return 0.0
     if any(rnd.noise_multiplier == 0 for rnd, _ in active):
         return math.inf
+    if kind != "rdp" and _rdp_epsilon(active, delta, orders) > EPSILON_CEILING:
+        return math.inf  # module docstring, "Accountable range": no grid for a guarantee beyond e^100
     raw = (_rdp_epsilon(active, delta, orders) if kind == "rdp"
            else _prv_epsilon(active, delta) if kind == "prv" else _pld_epsilon(active, delta))
     return math.inf if math.isnan(raw) else max(0.0, raw)  # module docstring, "Reported values"
+
+
+def resolve_delta(delta: float | None, population: int, name: str = "delta") -> float:
+    """The run's delta: ``delta``, or ``1 / population`` when None; checked BEFORE anything is released.
+
+    A delta of at least 1/N (the default's 1/N included) is allowed but logged as a WARNING: the mechanism
+    that publishes each user's data in full with probability delta is (0, delta)-DP and publishes
+    N delta >= 1 users in expectation (Dwork & Roth 2014, §2.3), so such a guarantee permits exactly that.
+
+    Raises:
+        ValueError: the delta is not in [MIN_DELTA, 1) (e.g. the default for ``population`` = 1), naming ``name``.
+    """
+    value = 1.0 / population if delta is None else delta
+    if not _is_real(value) or not MIN_DELTA <= value < 1:
+        default = f" (its default 1 / population, population={population})" if delta is None else ""
+        raise ValueError(f"{name} must be in [{MIN_DELTA:g}, 1){default}, got {value!r}")
+    if value >= 1.0 / population:
+        log.warning("%s=%.3g >= 1/population (1/%d): a guarantee with such a delta permits publishing a random "
+                    "user's data in full (each user with probability delta: %.3g users in expectation; Dwork & "
+                    "Roth 2014, §2.3); choose a delta well below 1/population", name, value, population,
+                    value * population)
+    return value
 
 
 def json_epsilon(eps: float | None) -> float | str | None:

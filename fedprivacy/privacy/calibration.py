@@ -41,23 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, Sampling, epsilon
-
-MIN_NOISE_MULTIPLIER = 2.0 ** -6
-r"""Smallest z :func:`calibrate_noise_multiplier` tries; a target met by z = 1/64 is refused.
-
-Such a target is meaningless (one unsampled round at z = 1/64 already has
-:math:`\varepsilon \approx 1/(2z^2) > 2000`), and PLD grids grow like :math:`1/z^2` (at z = 1e-3
-one ``pld`` evaluation did not finish in 5 minutes).
-"""
-
-MAX_NOISE_MULTIPLIER = 2.0 ** 20
-r"""Largest z :func:`calibrate_noise_multiplier` tries before declaring the target unreachable.
-
-RDP's ε does not vanish as z → ∞: with no RDP left it tends to
-:math:`\min_\alpha \log\frac{\alpha-1}{\alpha} - \frac{\log\delta + \log\alpha}{\alpha-1}`
-(0.1029 at δ = 1e-5 with Opacus' orders, whose largest is 63); PRV's tends to its additive
-``PRV_EPS_ERROR`` (0.01). Targets below these floors are unreachable.
-"""
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 
 _MAX_BISECTIONS = 100
 

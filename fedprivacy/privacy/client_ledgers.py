@@ -24,6 +24,7 @@ summary writes ``inf`` as ``"inf"`` (:func:`~fedprivacy.privacy.accounting.json_
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -32,14 +33,23 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon, json_epsilon
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.placement import local_upload_event
 
 log = logging.getLogger(__name__)
 
 
 METRIC_PREFIX = "sample-dp-"
-MAX_STEPS_PER_ROUND = 10**6
-"""More local DP steps than this in one round is not a real client's report (and would stall the PLD)."""
+MAX_STEPS_PER_ROUND = 10**5
+"""More local DP steps than this in one round is not a real client's report (and would stall PRV/PLD)."""
+MIN_CLIENT_SAMPLING_RATE = 1e-4
+"""A client's reported rate q = B / n is accounted as at least this (B = 1 of n = 10,000 records), which
+only raises its epsilon: the PLD grid is fine where q is small (6 s at q = 1e-6, z = 0.3, one step).
+With q >= this and steps <= :data:`MAX_STEPS_PER_ROUND`, one client's event costs at most 1.3 s (pld)
+and 6.4 s (prv) to account (measured over z in [0.1, 100], q in [1e-4, 1], 1e5 steps; above
+``EPSILON_CEILING`` neither is computed)."""
+MAX_POPULATION = 2**53
+"""More privacy units than this is not a real client's report (and not exact as a float)."""
 
 
 def event_metrics(result: Any) -> dict[str, float]:
@@ -57,29 +67,40 @@ def event_metrics(result: Any) -> dict[str, float]:
 
 
 def event_from_metrics(metrics: Any) -> tuple[GaussianRound, int, float]:
-    """Inverse of :func:`event_metrics`, for untrusted replies: ``(event, steps, delta)``.
+    """Inverse of :func:`event_metrics`, for untrusted replies: ``(event, steps, delta)``, always within
+    what the accountants compute (:mod:`~fedprivacy.privacy.accounting`, "Accountable range").
+
+    A reported value outside that range is moved to the side that can only raise the client's epsilon,
+    never lower it: z below ``MIN_NOISE_MULTIPLIER`` is accounted as z = 0 (no privacy: epsilon ``inf``),
+    z above ``MAX_NOISE_MULTIPLIER`` as that maximum, a non-zero rate q = B / n below
+    :data:`MIN_CLIENT_SAMPLING_RATE` as that minimum (epsilon grows with q and falls with z).
 
     Raises:
         ValueError: a field is missing, of the wrong type, non-finite or out of range (``steps`` an
-            integer in ``[1, MAX_STEPS_PER_ROUND]``, ``delta`` in ``(0, 1)``, the event's own checks).
+            integer in ``[1, MAX_STEPS_PER_ROUND]``, ``delta`` in ``[MIN_DELTA, 1)``, ``population`` an integer
+            in ``[1, MAX_POPULATION]``, ``expected-batch`` in ``[0, population]``, z >= 0).
     """
     try:
         values = {name: metrics[f"{METRIC_PREFIX}{name}"]
                   for name in ("noise-multiplier", "population", "expected-batch", "steps", "delta")}
     except (KeyError, TypeError) as err:
         raise ValueError(f"missing {err}") from None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()):
-        raise ValueError(f"non-numeric event fields {values}")
-    steps, delta, population = values["steps"], float(values["delta"]), values["population"]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values.values()):
+        raise ValueError(f"non-numeric or non-finite event fields {values}")
+    z, population, batch = float(values["noise-multiplier"]), values["population"], float(values["expected-batch"])
+    steps, delta = values["steps"], float(values["delta"])
     if not (float(steps).is_integer() and 1 <= steps <= MAX_STEPS_PER_ROUND):
         raise ValueError(f"steps must be an integer in [1, {MAX_STEPS_PER_ROUND}], got {steps}")
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    if not (float(population).is_integer() and population >= 1):
-        raise ValueError(f"population must be a positive integer, got {population}")
-    event = GaussianRound(float(values["noise-multiplier"]), "poisson", int(population),
-                          float(values["expected-batch"]))
-    return event, int(steps), delta
+    if not MIN_DELTA <= delta < 1.0:
+        raise ValueError(f"delta must be in [{MIN_DELTA:g}, 1), got {delta}")
+    if not (float(population).is_integer() and 1 <= population <= MAX_POPULATION):
+        raise ValueError(f"population must be an integer in [1, {MAX_POPULATION}], got {population}")
+    if not (z >= 0.0 and 0.0 <= batch <= population):
+        raise ValueError(f"noise-multiplier must be >= 0 and expected-batch in [0, population={population}], "
+                         f"got {z} and {batch}")
+    z = 0.0 if z < MIN_NOISE_MULTIPLIER else min(z, MAX_NOISE_MULTIPLIER)
+    batch = min(max(batch, MIN_CLIENT_SAMPLING_RATE * population), population) if batch > 0 else 0.0
+    return GaussianRound(z, "poisson", int(population), batch), int(steps), delta
 
 
 class ClientLedgers:
@@ -96,29 +117,26 @@ class ClientLedgers:
             self._deltas[client] = delta
 
     def compose_reply(self, client: int, metrics: Any, *, record_level: bool,
-                      local_noise_multiplier: float | None = None) -> bool:
-        """Compose the client-side releases one reply accounts for into ``client``'s ledger; whether a
-        sample-level DP event was composed.
+                      local_noise_multiplier: float | None = None) -> None:
+        """Compose the client-side releases one reply accounts for into ``client``'s ledger.
 
-        ``metrics``: the reply's (untrusted) metrics. Its sample-level DP event (:func:`event_from_metrics`:
-        ``steps`` x ``GaussianRound(z, poisson, n, B)`` at the client's own delta) is composed when valid.
-        With ``record_level`` (the run requires record-level DP), a missing or invalid event raises
-        ``ValueError`` naming the bad field (the caller rejects the reply as unaccounted); without it, such
-        an event is ignored (a client that claims nothing valid is accounted nothing). A client's reported
-        epsilon is never used: epsilons are recomputed from the events. ``local_noise_multiplier``: under
-        local placement the upload itself is a Gaussian release (:func:`~.placement.local_upload_event`).
+        ``metrics``: the reply's (untrusted) metrics. With ``record_level`` (the run asked for client-
+        reported record-level DP), its sample-level DP event (:func:`event_from_metrics`: ``steps`` x
+        ``GaussianRound(z, poisson, n, B)`` at the client's own delta) is composed, and a missing or
+        invalid one raises ``ValueError`` naming the bad field (the caller rejects the reply as
+        unaccounted) before anything is released. Without it, the metrics are not read at all: nothing a
+        client reports unasked enters an accountant. A client's reported epsilon is never used: epsilons
+        are recomputed from the events. ``local_noise_multiplier``: under local placement the upload
+        itself is a Gaussian release (:func:`~.placement.local_upload_event`).
         """
-        try:
-            event, steps, delta = event_from_metrics(metrics)
-        except ValueError as err:
-            if record_level:
+        if record_level:
+            try:
+                event, steps, delta = event_from_metrics(metrics)
+            except ValueError as err:
                 raise ValueError(f"no valid sample-DP event ({err})") from None
-            event = None
-        if event is not None:
             self.compose(client, event, steps, delta=delta)
         if local_noise_multiplier is not None:
             self.compose(client, local_upload_event(local_noise_multiplier))
-        return event is not None
 
     def delta(self, client: int, default: float) -> float:
         """The delta of ``client``'s epsilon: its own, else ``default`` (the run's)."""
