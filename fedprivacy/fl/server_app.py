@@ -43,6 +43,7 @@ from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.factory import ServerOptimizer, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.outputs import RunOutputs
+from fedprivacy.privacy.accounting import resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.client_ledgers import ClientLedgers
@@ -112,7 +113,7 @@ def build_mechanism(cfg: RunConfig, population: int,
     return cls(noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm,
                              expected_cohort=p.expected_cohort, population=population, sampling=p.sampling,
                              placement=p.placement, adaptive=adaptive, noise_cohort=p.noise_cohort,
-                             noise_population=p.noise_population, seed=cfg.seed, secure=p.secure_noise,
+                             noise_population=p.noise_population, seed=None if p.secure_noise else cfg.seed,
                              device=cfg.device)
 
 
@@ -187,7 +188,7 @@ class DPFedAvgServer:
         self.population = task.population
         # the population and cohort the privacy claim refers to (a deployment's, when emulating)
         self.claim_population = p.noise_population or self.population
-        self.delta = p.delta if p.delta is not None else 1.0 / self.claim_population
+        self.delta = resolve_delta(p.delta, self.claim_population, "privacy.delta")
         self.model = initial_model(task, cfg.seed, cfg.device)
         self.params = parameters_to_vector(self.model.parameters()).detach().clone()
         self.layout = {name: tuple(p.shape) for name, p in self.model.named_parameters()}  # of the broadcast

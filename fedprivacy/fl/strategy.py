@@ -42,7 +42,14 @@ is a release of its own, composed likewise.
 
 A reply the strategy cannot use (an error, other keys or shapes than the broadcast, another dtype,
 NaN/Inf) counts as zero, changes neither the noise nor the divisor, and is logged as a WARNING
-with its reason; the round's ``MetricRecord`` counts rejections by reason.
+with its reason; the round's ``MetricRecord`` counts rejections by reason. A reply from a node that
+was not sampled this round, or a second reply from one that was, is dropped with a WARNING (a node
+never contributes twice: the sensitivity is one clipped update).
+
+Randomness (what a server that keeps the strategy's state can rebuild): by default (``seed=None``)
+the cohort and the noise come from the OS's cryptographic source and nothing that rebuilds them is
+kept; with ``seed=S`` (a reproducible simulation, logged as such) anyone who knows ``S`` rebuilds
+every cohort and every noise draw, and with them the noise-free sums.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_a
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
-from fedprivacy.privacy.accounting import AccountantKind
+from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
 from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
@@ -91,11 +98,12 @@ class DPFedAvg(Strategy):
         disk_kappa: DiSK's filter gain kappa in (0, 1] (1: the optimizer alone), or None for no DiSK.
         disk_gamma: DiSK's lookahead step gamma (non-zero).
         record_level: the clients train with record-level DP and must report its event (above).
-        delta: the target delta (default ``1 / population``).
+        delta: the target delta in (0, 1) (default ``1 / population``; at least ``1 / population`` is
+            logged as a WARNING: :func:`~fedprivacy.privacy.accounting.resolve_delta`).
         target_epsilon: stop before the round that would exceed it under ``budget_accountant``.
         accountants: the epsilons reported each round.
-        seed: seeds the cohort and the noise (reproducible simulation), unless ``secure_noise``.
-        secure_noise: draw noise and cohort from the OS's cryptographic source.
+        seed: None (default, a deployment's): cohort and noise from the OS's cryptographic source; an int:
+            a reproducible simulation whose cohorts and noise anyone knowing the seed can rebuild.
         node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
     """
 
@@ -105,17 +113,19 @@ class DPFedAvg(Strategy):
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
                  record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
-                 seed: int = 0, secure_noise: bool = False, node_timeout: float = 600.0) -> None:
+                 seed: int | None = None, node_timeout: float = 600.0) -> None:
         self.mechanism = GaussianMechanism(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
-            population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping, seed=seed,
-            secure=secure_noise)
+            population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping, seed=seed)
+        self.delta = resolve_delta(delta, population)
+        if seed is not None:
+            log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
+                        "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
         settings = dict(optimizer_settings or {})
         if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
             settings.setdefault("phi", self.mechanism.phi())
         self.optimizer = make_server_optimizer(optimizer, lr=lr, **settings)
         self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
-        self.delta = delta if delta is not None else 1.0 / population
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
         self.node_timeout = node_timeout
@@ -124,6 +134,7 @@ class DPFedAvg(Strategy):
         self.stopped = False
         self._nodes: list[int] | None = None
         self._sent: dict[str, np.ndarray] | None = None
+        self._cohort: set[int] = set()  # the nodes sampled this round: each may contribute once
 
     # -- Flower's Strategy interface ----------------------------------------------------------
     def summary(self) -> None:
@@ -148,7 +159,8 @@ class DPFedAvg(Strategy):
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
             content["lookahead"] = arrays_to_record(vector_to_arrays(lookahead, self._sent))
             content["config"]["disk-c"] = self.step.disk.c
-        return [Message(content, dst_node_id=nodes[i], message_type="train") for i in self.mechanism.sample()]
+        self._cohort = {nodes[i] for i in self.mechanism.sample()}
+        return [Message(content, dst_node_id=node, message_type="train") for node in sorted(self._cohort)]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -156,8 +168,13 @@ class DPFedAvg(Strategy):
         if self.stopped or self._sent is None:
             return None, None
         x, layout = arrays_to_vector(self._sent), {name: a.shape for name, a in self._sent.items()}
-        agg = self.mechanism.aggregator(x.numel())
+        agg, expected = self.mechanism.aggregator(x.numel()), set(self._cohort)
         for reply in replies:
+            if reply.metadata.src_node_id not in expected:  # not sampled, or a second reply: never counts twice
+                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
+                            server_round, reply.metadata.src_node_id)
+                continue
+            expected.discard(reply.metadata.src_node_id)
             try:
                 update = self._accept(reply, x, layout)
             except RejectedUpdate as err:

@@ -15,8 +15,12 @@ event is the sampler's (its sampling, the full population ``N``, ``m``) or the e
 (``M`` of ``N'``), always with noise multiplier ``z``. Because :meth:`event`, the draw in
 :meth:`release` and :meth:`phi` read the same fields, they cannot disagree.
 
-The mechanism owns the dedicated noise generator and the cohort sampler (seeded from the run seed,
-re-keyed per epoch after a resume that re-runs released rounds, or from the OS with ``secure``),
+The mechanism owns the dedicated noise generator and the cohort sampler: from the OS's cryptographic
+source by default (``seed=None``: a deployment's default; nothing that rebuilds a draw is ever
+persisted, so a resume draws afresh and never reuses a draw, whatever its files say), or from a
+``seed`` (a reproducible simulation: its noise and cohorts can be rebuilt by anyone who knows the
+seed, which is what a simulation asks for; re-keyed per epoch after a resume that re-runs released
+rounds, so that no re-run reuses a logged draw),
 the adaptive clip ``C_t``, the privacy ledger and, when given one, the write-ahead release log: every
 release is durably logged before its noise is added (:mod:`.release_log`).
 
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.noise import GaussianNoise
@@ -55,8 +60,10 @@ class AdaptiveClipping:
 
 def _check_arguments(noise_multiplier: float, clip_norm: float, expected_cohort: int, placement: str) -> None:
     """A clear ``ValueError`` naming the argument, before anything is drawn or accounted."""
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0.0):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
+    z = noise_multiplier
+    if not (math.isfinite(z) and (z == 0.0 or MIN_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER)):
+        raise ValueError(f"noise_multiplier must be 0 (no privacy) or in [{MIN_NOISE_MULTIPLIER}, "
+                         f"{MAX_NOISE_MULTIPLIER:g}] (what the accountants compute), got {z}")
     if not (math.isfinite(clip_norm) and clip_norm > 0.0):
         raise ValueError(f"clip_norm must be a finite number > 0, got {clip_norm}")
     if isinstance(expected_cohort, bool) or int(expected_cohort) != expected_cohort or expected_cohort < 1:
@@ -77,15 +84,15 @@ class GaussianMechanism:
         placement: who adds the noise (:mod:`.placement`).
         adaptive: adaptive clipping, or None for a fixed C.
         noise_cohort, noise_population: large-cohort emulation (the claim's M and N'), or None.
-        seed: the run seed (ignored for the draws when ``secure``).
-        secure: noise and cohort from the OS's cryptographic source.
+        seed: None (default): noise and cohort from the OS's cryptographic source; an int: reproducible
+            from it (a simulation).
         device: where the sum and the noise live.
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
                  sampling: str = "poisson", placement: Placement = "central",
                  adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
-                 noise_population: int | None = None, seed: int = 0, secure: bool = False,
+                 noise_population: int | None = None, seed: int | None = None,
                  device: str | torch.device = "cpu") -> None:
         _check_arguments(noise_multiplier, clip_norm, expected_cohort, placement)
         self.noise_multiplier = noise_multiplier
@@ -95,7 +102,7 @@ class GaussianMechanism:
         self.placement = placement
         self.noise_cohort = noise_cohort
         self.claim_population = noise_population or population
-        self.seed, self.secure, self.device = seed, secure, device
+        self.seed, self.secure, self.device = seed, seed is None, device
         z_simulated = noise_multiplier * expected_cohort / (noise_cohort or expected_cohort)
         self.value_noise_multiplier = (value_noise_multiplier(z_simulated, adaptive.count_stddev) if adaptive
                                        else z_simulated)
@@ -107,6 +114,7 @@ class GaussianMechanism:
         self.release_log: ReleaseLog | None = None
         self.epoch = 0
         self._seed_generators()
+        self.event()  # the accountants can compute it (e.g. a sampling rate not below MIN_SAMPLING_RATE)
 
     # -- what one round draws ----------------------------------------------------------------
     @property
@@ -115,7 +123,7 @@ class GaussianMechanism:
         return self.adaptive.clip_norm if self.adaptive else self._fixed_clip_norm
 
     def _seed_generators(self) -> None:
-        seed = rekeyed_seed(self.seed, self.epoch)
+        seed = 0 if self.seed is None else rekeyed_seed(self.seed, self.epoch)  # ignored when secure
         self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure)
         self.noise = GaussianNoise(seed, device=self.device, secure=self.secure)
 
@@ -180,27 +188,39 @@ class GaussianMechanism:
     def attach_release_log(self, log: ReleaseLog) -> int:
         """Log every release to ``log``; compose the releases it holds beyond the ledger (a crash after
         them, before a checkpoint) and re-key the generators so that no re-run round reuses a draw or a
-        cohort. Returns how many such releases were found."""
+        cohort. Returns how many such releases were found.
+
+        Raises:
+            ValueError: the log cannot be the record of this run's releases (it holds fewer than the
+                ledger, or an event other than the ledger's or this mechanism's; :meth:`ReleaseLog.check`).
+        """
+        log.check(self.ledger, self.event())
         self.release_log = log
         lost = log.lost_since(self.ledger)
         if lost:
             for event in lost:
                 self.ledger.compose(event)
-            self.epoch = log.start_epoch()
+            self.epoch = log.start_epoch(self.epoch)
             self._seed_generators()
         else:
-            self.epoch = log.epoch
+            self.epoch = max(log.epoch, self.epoch)
         return len(lost)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "noise": self.noise.state_dict(),
-                "ledger": self.ledger.state_dict(),
+        """The ledger, the epoch, the adaptive clip and, for a seeded simulation only, the generators' states
+        (from the OS, they are not persisted: nothing written to disk rebuilds a secure draw or cohort)."""
+        secret = self.secure
+        return {"sampler": None if secret else self.sampler.state_dict(),
+                "noise": None if secret else self.noise.state_dict(),
+                "ledger": self.ledger.state_dict(), "noise_epoch": self.epoch,
                 "adaptive_clip": self.adaptive.state_dict() if self.adaptive else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.noise.load_state_dict(state["noise"])
+        if not self.secure:
+            self.sampler.load_state_dict(state["sampler"])
+            self.noise.load_state_dict(state["noise"])
+        self.epoch = int(state.get("noise_epoch", 0))
         self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
         if self.adaptive:
             self.adaptive.load_state_dict(state["adaptive_clip"])

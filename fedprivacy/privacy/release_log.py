@@ -20,9 +20,19 @@ line is appended to ``releases.jsonl`` and fsynced:
   generator and the cohort sampler with the next epoch (:func:`rekeyed_seed`), so no re-run round
   reuses a draw or a cohort. A resume from the last release's checkpoint changes nothing (bit-identical).
 
-A line cut short by a crash during its own write is ignored: its release had not happened yet (the
-line is complete, fsynced, before the noise is added). Any other unreadable line is an error that
-names the file and the line.
+A line cut short by a crash during its own write is ignored, and cut off the file before the next
+record is appended: its release had not happened yet (the line is complete, fsynced, before the
+noise is added). Any other unreadable line is an error that names the file and the line.
+
+Damage is refused, never read as fewer releases (:meth:`ReleaseLog.check`, before a resumed run
+releases anything): a log that is missing, emptied, or cut below the releases the checkpoint's
+ledger holds; a release numbered out of sequence; a logged event other than the ledger's at its
+position or, beyond the ledger, other than the run's own. What no file can show is a log whose
+lines past the checkpoint were deleted: those releases are then unaccounted. Against that, with
+noise from the OS (the default of :class:`~fedprivacy.privacy.mechanism.GaussianMechanism` and
+``privacy.secure_noise``), nothing persisted rebuilds a draw, so a resume never reuses one; a
+seeded simulation's noise is rebuildable from its seed by design, and the epoch, kept in the
+checkpoint too, never goes back below the checkpoint's.
 """
 
 from __future__ import annotations
@@ -59,6 +69,8 @@ class ReleaseLog:
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / RELEASES
+        self._torn: int | None = None  # where a line cut by a crash starts: cut off before appending
+        self._unterminated = False  # the last whole record lost its newline in a crash: end it before appending
         self.entries: list[dict[str, Any]] = self._read()
         self.epoch = max((int(e["epoch"]) for e in self.entries), default=0)
         self._draws = {e["draw"] for e in self.entries if e["draw"] is not None}
@@ -66,7 +78,8 @@ class ReleaseLog:
     def _read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        lines = self.path.read_bytes().split(b"\n")
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
         entries = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -77,20 +90,43 @@ class ReleaseLog:
                 entries.append({k: entry[k] for k in ("release", "round", "epoch", "draw", "event")})
             except (ValueError, KeyError, TypeError) as err:
                 if number == len(lines):  # the last line, cut short by a crash during its own write
+                    self._torn = len(data) - len(line)
                     break
                 raise ValueError(f"{self.path}: line {number} is not a release record ({err})") from None
+        self._unterminated = self._torn is None and bool(data) and not data.endswith(b"\n")
         for before, entry in zip(entries, entries[1:]):
             if entry["release"] != before["release"] + 1:
                 raise ValueError(f"{self.path}: release {entry['release']} follows release {before['release']}")
         return entries
 
+    def check(self, ledger: PrivacyLedger, event: GaussianRound) -> None:
+        """Refuse a log that cannot be the record of the run whose checkpointed ``ledger`` it extends and whose
+        every release is ``event`` (module docstring: damage is refused, never read as fewer releases).
+
+        Raises:
+            ValueError: naming the file and what is wrong.
+        """
+        logged = [e["release"] for e in self.entries]
+        if len(logged) < ledger.rounds or (logged and logged[0] != 1):
+            raise ValueError(f"{self.path} holds releases {logged[:1] + logged[-1:] or 'none'} but the checkpoint's "
+                             f"ledger holds {ledger.rounds}: the release log was deleted, emptied or cut; refusing to "
+                             "resume (it could reuse noise draws and under-count the privacy spent)")
+        expected = [rnd for rnd, count in ledger.entries for _ in range(count)]
+        for entry in self.entries:
+            position = entry["release"]
+            want = expected[position - 1] if position <= len(expected) else event
+            if GaussianRound(**entry["event"]) != want:
+                raise ValueError(f"{self.path}: release {position} logs the event {entry['event']}, but this run "
+                                 f"accounts {dataclasses.asdict(want)} there; refusing a log of other releases")
+
     def lost_since(self, ledger: PrivacyLedger) -> list[GaussianRound]:
         """The events of releases made after ``ledger`` was checkpointed (it holds releases 1..``ledger.rounds``)."""
         return [GaussianRound(**e["event"]) for e in self.entries if e["release"] > ledger.rounds]
 
-    def start_epoch(self) -> int:
-        """Begin a new epoch (a resume that re-runs released rounds); returns it."""
-        self.epoch += 1
+    def start_epoch(self, checkpointed: int = 0) -> int:
+        """Begin a new epoch (a resume that re-runs released rounds), after every epoch this log or the
+        checkpoint (``checkpointed``) has seen; returns it."""
+        self.epoch = max(self.epoch, checkpointed) + 1
         return self.epoch
 
     def record(self, ledger: PrivacyLedger, round_: int, event: GaussianRound, draw: str | None) -> None:
@@ -101,10 +137,13 @@ class ReleaseLog:
                                f"({self.path}); refusing to release it again")
         entry = {"release": ledger.rounds + 1, "round": round_, "epoch": self.epoch, "draw": draw,
                  "event": dataclasses.asdict(event)}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        if self._torn is not None:
+            os.truncate(self.path, self._torn)
+        with open(self.path, "ab") as f:
+            f.write((b"\n" if self._unterminated else b"") + (json.dumps(entry) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
+        self._torn, self._unterminated = None, False
         self.entries.append(entry)
         if draw is not None:
             self._draws.add(draw)

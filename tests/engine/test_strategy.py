@@ -17,6 +17,7 @@ from torch import nn
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.privacy.accounting import epsilon_for
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER
 
 IN, OUT = 200, 100  # 20,100 parameters
 
@@ -188,7 +189,7 @@ def _lookahead_spy(seen: list):
 def test_disk_with_kappa_one_is_exactly_the_strategy_without_disk():
     def strategy(**disk):
         return DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=8, optimizer="adam",
-                        lr=0.05, optimizer_settings={"tau": 1e-3}, **disk)
+                        lr=0.05, optimizer_settings={"tau": 1e-3}, seed=0, **disk)
     seen: list = []
     with_disk = _run(strategy(disk_kappa=1.0, disk_gamma=0.5), _plain_client_app(mods=[_lookahead_spy(seen)]), 8,
                      rounds=3, lr=0.5)
@@ -245,9 +246,8 @@ def _record_level(required: bool) -> DPFedAvg:
                     record_level=required, delta=1e-2)
 
 
-@pytest.mark.parametrize("required", [True, False])
-def test_a_valid_client_event_is_composed_per_client_and_its_claimed_epsilon_is_not_believed(required):
-    strategy = _record_level(required)
+def test_a_valid_client_event_is_composed_per_client_and_its_claimed_epsilon_is_not_believed():
+    strategy = _record_level(True)
     result = _start(strategy, _plain_client_app(_reporting()), 4, rounds=2, lr=0.5)
     truth = epsilon_for("poisson", 0.1, 1.0, 10, 1e-3, "rdp")  # 2 rounds x 5 steps, at the client's own delta
     eps = strategy.client_epsilons()
@@ -270,8 +270,9 @@ def test_a_lying_or_missing_event_is_rejected_as_unaccounted_when_record_level_i
     assert strategy.client_epsilons() == {} and "client_epsilon_max" not in result.train_metrics_clientapp[1]
 
 
-def test_without_record_level_a_missing_or_invalid_event_is_ignored_and_the_update_kept():
-    for hook in (None, _reporting(steps=0)):
+def test_without_record_level_no_reported_event_is_composed_and_the_update_kept():
+    """Hardening II, finding 2: a valid event was composed unasked (and an extreme one crashed the round)."""
+    for hook in (None, _reporting(steps=0), _reporting(), _reporting(**{"noise-multiplier": 1e-300})):
         strategy = _record_level(False)
         result = _start(strategy, _plain_client_app(hook), 4, rounds=1, lr=0.5)
         assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 0
@@ -280,6 +281,100 @@ def test_without_record_level_a_missing_or_invalid_event_is_ignored_and_the_upda
     required = _record_level(True)
     result = _start(required, _plain_client_app(), 4, rounds=1, lr=0.5)  # no event at all, but required
     assert result.train_metrics_clientapp[1]["rejected_unaccounted"] == 4 and required.client_epsilons() == {}
+
+
+@pytest.mark.parametrize(("field", "value"), [("noise-multiplier", 1e-300), ("noise-multiplier", 1e300),
+                                              ("population", 2.0**53), ("expected-batch", 1e-300), ("steps", 10**5)])
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_an_extreme_but_valid_client_event_is_accounted_without_failing_and_never_lower(field, value, accountant):
+    """Hardening II, finding 2: z = 1e-300 raised ZeroDivisionError and 1e300 OverflowError after the
+    release; under PLD an extreme event stalled each round. Now: accounted, on the side that only raises it."""
+    strategy = DPFedAvg(noise_multiplier=0.0, clip_norm=1e9, expected_cohort=4, population=4, sampling="fixed",
+                        record_level=True, delta=1e-2, budget_accountant=accountant)
+    result = _start(strategy, _plain_client_app(_reporting(**{field: value})), 4, rounds=2, lr=0.5)
+    assert result.train_metrics_clientapp[2]["rejected_unaccounted"] == 0
+    eps = strategy.client_epsilons()
+    accounted = {"noise-multiplier": (0.0 if value < 1 else MAX_NOISE_MULTIPLIER, 0.1, 10),  # z moved out of reach
+                 "population": (1.0, 1e-4, 10), "expected-batch": (1.0, 1e-4, 10),  # q raised to the client floor
+                 "steps": (1.0, 0.1, 2 * 10**5)}[field]
+    z, q, steps = accounted
+    expected = math.inf if z == 0 else epsilon_for("poisson", q, z, steps, 1e-3, accountant)
+    assert len(eps) == 4 and all(e == pytest.approx(expected, rel=1e-9) for e in eps.values())
+    assert result.train_metrics_clientapp[2]["client_epsilon_max"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_second_reply_from_a_node_or_one_from_an_unsampled_node_never_counts(caplog):
+    """Hardening II, finding 6: DPFedAvg summed a second reply of the same node (2 C from one user)."""
+    strategy = DPFedAvg(noise_multiplier=0.0, clip_norm=1.0, expected_cohort=4, population=4, sampling="fixed",
+                        seed=0)
+    strategy.configure_train(1, ArrayRecord(_model().state_dict()), ConfigRecord({"lr": 0.5}), _FakeGrid(4))
+    sent = ArrayRecord(_model().state_dict())
+    moved = {k: v + 1.0 for k, v in _model().state_dict().items()}  # an update of norm >> C: clipped to C
+    replies = [_reply(1, moved), _reply(1, moved), _reply(99, moved)]
+    with caplog.at_level(logging.WARNING):
+        arrays, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["cohort_received"] == 1 and metrics["cohort_accepted"] == 1
+    step = _flat(arrays) - _flat(sent)
+    assert float(step.norm()) == pytest.approx(1.0 / 4, rel=1e-4)  # one clipped update over m = 4: C / m (float32)
+    assert sum("ignoring a reply from node" in r.getMessage() for r in caplog.records) == 2
+
+
+class _FakeGrid:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get_node_ids(self):
+        return list(range(1, self.n + 1))
+
+
+def _reply(node: int, state: dict) -> Message:
+    from flwr.common import Metadata
+
+    msg = Message(RecordDict({"arrays": ArrayRecord(state)}), dst_node_id=node, message_type="train")
+    msg.metadata.__dict__["_src_node_id"] = node
+    return msg
+
+
+def test_the_default_draws_cohort_and_noise_from_the_os_and_a_seed_is_logged_as_a_simulation(caplog):
+    """Hardening II, finding 1: with the old defaults (seed=0, secure_noise=False) an outsider rebuilt every
+    cohort and every noise draw. Now two default strategies differ; two seeded ones agree, and say so."""
+    def released(**kw):
+        strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=5, population=20, **kw)
+        cohort = strategy.mechanism.sample()
+        g, _ = strategy.mechanism.release(strategy.mechanism.aggregator(1000), 1)
+        return strategy, cohort, g
+    a, cohort_a, ga = released()
+    b, cohort_b, gb = released()
+    assert a.mechanism.secure and not torch.equal(ga, gb)
+    assert a.mechanism.state_dict()["noise"] is None  # nothing kept that rebuilds a draw
+    with caplog.at_level(logging.WARNING):
+        c, cohort_c, gc = released(seed=7)
+    _, cohort_d, gd = released(seed=7)
+    assert torch.equal(gc, gd) and (cohort_c == cohort_d).all()
+    assert any("SIMULATION" in r.getMessage() and "seed=7" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"delta": 2.0}, "delta"), ({"delta": 0.0}, "delta"),
+                                               ({"population": 1, "expected_cohort": 1}, "delta"),
+                                               ({"noise_multiplier": 1e-300}, "noise_multiplier"),
+                                               ({"noise_multiplier": 1e-30}, "noise_multiplier"),
+                                               ({"noise_multiplier": 1e300}, "noise_multiplier")])
+def test_settings_the_accountants_cannot_handle_are_refused_before_any_release(kwargs, field):
+    """Hardening II, finding 3: delta=2 or population=1 crashed after a release, z = 1e-300 after release 1."""
+    with pytest.raises(ValueError, match=field):
+        DPFedAvg(**{**_VALID, **kwargs})
+
+
+def test_a_delta_of_at_least_one_over_n_is_allowed_with_a_warning_saying_what_it_permits(caplog):
+    with caplog.at_level(logging.WARNING):
+        DPFedAvg(**_VALID)  # the default 1 / population
+        DPFedAvg(**_VALID, delta=0.5)
+    warnings = [r.getMessage() for r in caplog.records if ">= 1/population" in r.getMessage()]
+    assert len(warnings) == 2 and all("publishing a random user's data in full" in w for w in warnings)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        DPFedAvg(**_VALID, delta=1e-3)
+    assert not any(">= 1/population" in r.getMessage() for r in caplog.records)
 
 
 _VALID = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=100)

@@ -71,9 +71,34 @@ def test_state_round_trip_continues_the_same_draws_and_cohorts():
     assert torch.equal(ga, gb) and a.ledger.entries == b.ledger.entries
 
 
-def test_secure_mechanisms_draw_differently_from_the_same_seed():
-    a, b = _mechanism(secure=True), _mechanism(secure=True)
+def test_without_a_seed_mechanisms_draw_from_the_os_and_differ():
+    a, b = _mechanism(seed=None), GaussianMechanism(noise_multiplier=2.0, clip_norm=0.5, expected_cohort=10,
+                                                    population=1000)  # the default: no seed
+    assert a.secure and b.secure
     ga, _ = a.release(a.aggregator(100), 1)
     gb, _ = b.release(b.aggregator(100), 1)
     assert not torch.equal(ga, gb)
     assert not math.isnan(float(ga.sum()))
+
+
+def test_a_secure_mechanism_persists_nothing_that_rebuilds_a_draw_or_a_cohort():
+    a = _mechanism(seed=None)
+    state = a.state_dict()
+    assert state["noise"] is None and state["sampler"] is None  # the checkpoint holds no generator state
+    b = _mechanism(seed=None)
+    b.load_state_dict(state)  # a resume: the ledger comes back, the generators stay fresh from the OS
+    assert b.ledger.entries == a.ledger.entries
+    ga, _ = a.release(a.aggregator(100), 1)
+    gb, _ = b.release(b.aggregator(100), 1)
+    assert not torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("z", [1e-300, 1e-30, 0.01, 1e300, 2.0**21])
+def test_a_noise_multiplier_the_accountants_cannot_compute_is_refused_naming_it(z):
+    with pytest.raises(ValueError, match="noise_multiplier must be 0 .*what the accountants compute"):
+        _mechanism(noise_multiplier=z)
+
+
+def test_a_sampling_rate_the_accountants_cannot_compute_is_refused_before_any_release():
+    with pytest.raises(ValueError, match="expected_cohort / population"):
+        _mechanism(expected_cohort=1, population=10**13)
