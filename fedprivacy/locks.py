@@ -1,9 +1,11 @@
 """Exclusive folder locks that name their holder: one ``fedprivacy run`` per run folder, one
 ``fedprivacy compare`` per study folder.
 
-A lock is an ``flock`` on a file in the folder, which the kernel releases when its holder exits,
-however it exits (``kill -9`` included); the file holds the holder's pid, host and start time so
-that a refused second writer can say who has the folder. A ``reentrant`` lock that this process
+A lock is an ``flock`` on the folder itself, which the kernel releases when its holder exits,
+however it exits (``kill -9`` included). It is on the folder, not on the lock file: deleting the file
+would let a second writer lock a new file of the same name while the first still writes (two runs
+appending to one release log). The file only holds the holder's pid, host and start time, so that a
+refused second writer can say who has the folder. One lock per folder. A ``reentrant`` lock that this process
 holds is granted again at once (a sweep worker holds its run's folder while
 :func:`fedprivacy.run.run` locks it again).
 """
@@ -43,20 +45,20 @@ def locked(path: Path, blocking: bool, error: type[Exception] = FolderBusyError,
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
+    folder = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
         if fcntl is not None:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                fcntl.flock(folder, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError:
-                f.seek(0)
-                raise error(f"another {what} ({f.read().strip() or 'pid ?'}) is running on {path.parent}") from None
-        f.seek(0)
-        f.truncate()
+                holder = path.read_text().strip() if path.is_file() else ""
+                raise error(f"another {what} ({holder or 'pid ?'}) is running on {path.parent}") from None
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        f.write(f"pid {os.getpid()}, host {socket.gethostname()}, started {started}")
-        f.flush()
+        path.write_text(f"pid {os.getpid()}, host {socket.gethostname()}, started {started}")
         _held.add(path)
         try:
             yield
         finally:
             _held.discard(path)
+    finally:
+        os.close(folder)

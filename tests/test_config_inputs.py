@@ -103,3 +103,14 @@ def _float_fields(model, prefix: str = "") -> list[str]:
 @given(field=st.sampled_from(_float_fields(RunConfig)), value=NON_FINITE)
 def test_no_config_float_takes_inf_or_nan(field, value):
     assert field in _refused(field, value)
+
+
+@pytest.mark.parametrize("content", [b"\x00\xff\xfe garbage", b"a: [1, 2\n", b"- a list\n", b"\t\tfoo: : :\n"])
+def test_a_garbage_config_file_is_refused_naming_the_file(tmp_path, content):
+    """Hardening II, finding 6: a file that is not UTF-8 gave an error that did not name it."""
+    from fedprivacy.config import load_config
+
+    path = tmp_path / "garbage.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=str(path)):
+        load_config(path)

@@ -17,7 +17,7 @@ import yaml
 from fedprivacy.cli import describe_os_error
 from fedprivacy.config import build_config
 from fedprivacy.locks import FolderBusyError
-from fedprivacy.outputs import ResumeError, RunOutputs
+from fedprivacy.outputs import ResumeError, RunOutputs, run_lock
 from fedprivacy.run import run
 
 
@@ -141,6 +141,23 @@ def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path, monkeypat
     with pytest.raises(OSError, match="No space left"):
         out.save_checkpoint({"round": 2})
     assert out.checkpoint_path.read_bytes() == before and not list(out.dir.glob("*.tmp"))
+
+
+def test_deleting_the_lock_file_does_not_release_the_folder(tmp_path):
+    """Hardening II, finding 6: deleting .lock let a second --resume write into the same release log."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fedprivacy.outputs import run_lock\n"
+                               f"with run_lock({str(tmp_path / 'run')!r}):\n print('held', flush=True)\n"
+                               " sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (tmp_path / "run" / ".lock").unlink()
+        with pytest.raises(FolderBusyError, match="is running on"):
+            with run_lock(tmp_path / "run"):
+                pass
+    finally:
+        holder.communicate("")
+    with run_lock(tmp_path / "run"):  # released with its holder
+        assert (tmp_path / "run" / ".lock").read_text().startswith(f"pid {os.getpid()}")
 
 
 def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(tmp_path):

@@ -16,17 +16,25 @@ over every float32 array the server sent, so the server (``DPFedAvg(placement=..
 not clip) sums shares that carry the full noise ``N(0, z^2 C^2)``. The noise comes from the OS's
 cryptographic source, never from a seed the server knows or sets: a device's noise protects it from
 the server only if the server cannot rebuild it.
+
+The server is not trusted under these placements, so the reply carries only what it needs: the noisy
+``arrays`` and, when the wrapped app reported one, the record-level DP event
+(:func:`~fedprivacy.privacy.client_ledgers.event_metrics`, without its derived ``epsilon``), which
+``DPFedAvg(record_level=True)`` accounts. Everything else the wrapped app put in its reply (training
+loss, example counts, other records) stays on the device: each such value is a function of the
+client's data released without noise.
 """
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from fedprivacy.client.compression import Residual, compress
 from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays,
                                    update_to_record, vector_to_arrays)
 from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.privacy.client_ledgers import METRIC_PREFIX
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, client_noise_std, privatize_upload_
 
@@ -46,7 +54,12 @@ def client_noise_mod(*, placement: Placement, noise_multiplier: float, clip_norm
         start = arrays_to_vector(sent)
         update = arrays_to_vector(float32_arrays(reply.content["arrays"])) - start
         privatize_upload_(update, clip_norm, std, GaussianNoise(0, secure=True))
-        reply.content["arrays"] = arrays_to_record(vector_to_arrays(start + update, sent))
+        content = RecordDict({"arrays": arrays_to_record(vector_to_arrays(start + update, sent))})
+        event = {k: v for k, v in (reply.content.metric_records.get("metrics") or {}).items()
+                 if k.startswith(METRIC_PREFIX) and k != f"{METRIC_PREFIX}epsilon"}
+        if event:
+            content["metrics"] = MetricRecord(event)
+        reply.content = content
         return reply
 
     return mod

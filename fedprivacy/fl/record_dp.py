@@ -39,6 +39,12 @@ user's ``DataLoader`` generator, which the device's own code may have seeded: am
 sampling assumes the server cannot know the batch, and the noise protects only if it cannot be
 rebuilt. (PyTorch's generators are not themselves CSPRNGs; see :mod:`fedprivacy.privacy.noise`.)
 
+One optimizer step per batch drawn: Opacus' accountant counts optimizer steps, each as one Poisson-
+sampled release at z. Two steps on one batch release that batch twice (together, one step at
+z / sqrt 2, more than two independent steps at z), and one step over two batches' gradients has another
+sampling rate; so :class:`RecordDP` counts the batches its loader has yielded and refuses an event
+(:attr:`RecordDP.event`, :meth:`RecordDP.metrics`) whose steps differ from them.
+
 The Poisson loader is Opacus' ``DPDataLoader.from_data_loader(data_loader, generator=...)`` at the
 rate ``1 / len(data_loader)`` that ``make_private`` accounts (``make_private``'s own loader would
 sample from ``data_loader.generator``); the optimizer divides each noisy sum by Opacus'
@@ -56,8 +62,9 @@ from __future__ import annotations
 
 import secrets
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -76,6 +83,26 @@ from fedprivacy.privacy.noise import torch_seed
 RecordAccountant = Literal["rdp", "prv"]
 
 
+class CountedLoader:
+    """Opacus' Poisson loader that counts the batches it has yielded (each may be used by ONE step);
+    every other attribute (``dataset``, ``sample_rate``, ...) is the loader's."""
+
+    def __init__(self, loader: DPDataLoader) -> None:
+        self.loader = loader
+        self.batches = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            self.batches += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
 @dataclass(frozen=True)
 class RecordDP:
     """One client's private training objects for one round (from :func:`make_record_dp`).
@@ -88,7 +115,7 @@ class RecordDP:
     Attributes:
         module: the model wrapped to compute per-record gradients.
         optimizer: Opacus' ``DPOptimizer`` around the given optimizer (clip, noise, step, account).
-        data_loader: Poisson batches, each record independently with probability ``q``.
+        data_loader: Poisson batches, each record independently with probability ``q``, counted.
         accountant: Opacus' accountant hooked to ``optimizer``: the steps actually taken.
         population: n, the client's records (privacy units).
         target_delta: δ_i of the reported ε.
@@ -96,7 +123,7 @@ class RecordDP:
 
     module: GradSampleModule
     optimizer: DPOptimizer
-    data_loader: DPDataLoader
+    data_loader: CountedLoader
     accountant: RDPAccountant | PRVAccountant
     population: int
     target_delta: float
@@ -117,8 +144,13 @@ class RecordDP:
         """One step's release as accounted by Opacus: ``GaussianRound(z, "poisson", n, q n)``.
 
         Raises:
-            ValueError: the accounted steps do not share one ``(z, q)`` (the noise multiplier was changed mid-round).
+            ValueError: the accounted steps do not share one ``(z, q)`` (the noise multiplier was changed
+                mid-round), or they are not one per batch drawn from ``data_loader`` (module docstring).
         """
+        if self.steps != self.data_loader.batches:
+            raise ValueError(f"{self.steps} optimizer steps on {self.data_loader.batches} batches drawn from "
+                             "RecordDP.data_loader: take exactly one step per batch (a second step on a batch "
+                             "releases it again; a step over several batches changes the sampling rate)")
         accounted = {(z, q) for z, q, _ in self.accountant.history} or {
             (self.optimizer.noise_multiplier, self.data_loader.sample_rate)}
         if len(accounted) != 1:
@@ -196,7 +228,7 @@ def make_record_dp(model: nn.Module, optimizer: torch.optim.Optimizer, data_load
     else:
         module, dp_optimizer, _ = engine.make_private_with_epsilon(target_epsilon=target_epsilon,
                                                                    target_delta=delta, epochs=epochs, **common)
-    loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_gen)
+    loader = CountedLoader(DPDataLoader.from_data_loader(data_loader, generator=sampling_gen))
     return RecordDP(module, dp_optimizer, loader, engine.accountant, population, delta)
 
 

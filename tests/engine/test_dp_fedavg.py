@@ -370,13 +370,15 @@ def test_a_reused_draw_is_refused(tmp_path):
 def test_the_claim_says_whether_the_draws_are_reproducible_and_secure_noise_hides_the_cohort(small_config, tmp_path):
     seeded = run(small_config("rounds=1", f"output_dir={tmp_path / 'seeded'}"))
     assert "reproducible from seed" in seeded["privacy_claim"]
-    cohorts = []
+    finals = []
     for name in ("a", "b"):
         cfg = small_config("rounds=1", "privacy.secure_noise=true", f"output_dir={tmp_path / name}")
         summary = run(cfg)
         assert "cryptographic source" in summary["privacy_claim"] and "reproducible" not in summary["privacy_claim"]
-        cohorts.append(torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["sampler"])
-    assert cohorts[0] != cohorts[1]  # the cohort sampler's state is not a function of the seed
+        checkpoint = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)
+        assert checkpoint["sampler"] is None and checkpoint["noise"] is None  # nothing on disk rebuilds a draw
+        finals.append(_flat(cfg.output_dir / "final_model.pt"))
+    assert not torch.equal(*finals)  # the noise (and cohort) is not a function of the seed
 
 
 def test_summary_is_strict_json_and_records_the_data_it_used(small_config):

@@ -148,6 +148,36 @@ def test_client_noise_mod_with_a_stock_client_carries_the_placements_noise(place
     assert float(change.std()) == pytest.approx(std, rel=0.02)
 
 
+@pytest.mark.parametrize("placement", ["distributed", "local"])
+def test_client_noise_mod_sends_the_untrusted_server_only_the_noisy_arrays_and_the_dp_event(placement):
+    """Hardening II, finding 6: the mod passed the reply's metrics (training loss, example counts) and any
+    other record through to the server these placements do not trust."""
+    from fedprivacy.fl.mods import client_noise_mod
+
+    seen = []
+
+    def spy(msg, context, call_next):
+        reply = call_next(msg, context)
+        seen.append((sorted(reply.content.keys()), sorted(reply.content["metrics"].keys())))
+        return reply
+
+    def leaky(content: RecordDict) -> RecordDict:
+        content = _reporting()(content)
+        content["metrics"]["train_loss"] = 1.23
+        content["private"] = ConfigRecord({"user": "alice"})
+        return content
+
+    app = _plain_client_app(leaky, mods=[spy, client_noise_mod(placement=placement, noise_multiplier=1.0,
+                                                                  clip_norm=1.0, expected_cohort=4)])
+    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=4, sampling="fixed",
+                        placement=placement, record_level=True, delta=1e-2)
+    _run(strategy, app, 4, rounds=1, lr=0.1)
+    event_keys = sorted(f"sample-dp-{k}" for k in ("noise-multiplier", "population", "expected-batch", "q", "steps",
+                                                   "delta"))
+    assert seen and all(reply == (["arrays", "metrics"], event_keys) for reply in seen)
+    assert len(strategy.client_epsilons()) == 4  # what the server needs to account still arrives
+
+
 def test_topk_uplink_mod_sends_a_sparse_clipped_delta_and_keeps_the_residual_on_the_client():
     """A stock client behind the mod: each upload has ceil(0.05 d) coordinates, norm <= C; what was not
     sent stays in the node's Context.state; at density 1 and no clipping it is plain FedAvg again."""

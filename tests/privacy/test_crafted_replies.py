@@ -21,6 +21,8 @@ from hypothesis.extra import numpy as hnp
 
 from fedprivacy.fl.records import record_to_update, update_to_record
 from fedprivacy.privacy.aggregation import REJECTION_REASONS, PrivateSum, RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
+from fedprivacy.privacy.client_ledgers import MAX_STEPS_PER_ROUND, MIN_CLIENT_SAMPLING_RATE
 from fedprivacy.privacy.clipping import flat_l2_clip_, l2_norm_bound
 
 
@@ -210,5 +212,25 @@ def test_any_reported_sample_dp_event_parses_to_a_valid_event_or_a_value_error(f
         event, steps, delta = event_from_metrics(metrics)
     except ValueError:
         return
-    assert 1 <= steps <= 10**6 and 0 < delta < 1 and event.noise_multiplier >= 0
-    ClientLedgers().compose(0, event, steps, delta=delta)  # whatever parses, the ledger accepts
+    assert 1 <= steps <= MAX_STEPS_PER_ROUND and MIN_DELTA <= delta < 1
+    z = event.noise_multiplier
+    assert z == 0 or MIN_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER  # within what the accountants compute
+    assert event.q == 0 or event.q >= MIN_CLIENT_SAMPLING_RATE
+    ledgers = ClientLedgers()
+    ledgers.compose(0, event, steps, delta=delta)  # whatever parses, the ledger accepts
+    assert ledgers.epsilons(1e-3, "rdp")[0] >= 0  # and accounts without failing
+
+
+def test_above_the_ceiling_no_grid_is_built_and_epsilon_is_inf(monkeypatch):
+    """An extreme but valid event (z = 2^-6, q = 1, 1e5 steps) made PLD stall or ask for TiBs: above RDP
+    epsilon 100, prv and pld report inf without building a grid."""
+    from fedprivacy.privacy import accounting
+
+    def no_grid(*args):
+        raise AssertionError("a PRV/PLD grid was built for an epsilon above the ceiling")
+    monkeypatch.setattr(accounting, "_pld_epsilon", no_grid)
+    monkeypatch.setattr(accounting, "_prv_epsilon", no_grid)
+    event = accounting.GaussianRound(MIN_NOISE_MULTIPLIER, "poisson", 100, 100.0)
+    for kind in ("pld", "prv"):
+        assert accounting.epsilon([(event, MAX_STEPS_PER_ROUND)], 1e-5, kind) == math.inf
+    assert accounting.epsilon([(event, MAX_STEPS_PER_ROUND)], 1e-5, "rdp") > accounting.EPSILON_CEILING

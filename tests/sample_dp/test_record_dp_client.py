@@ -201,3 +201,21 @@ def test_the_readme_record_dp_client_runs():
     assert not reply.has_error(), reply.error
     event, steps, _ = event_from_metrics(reply.content["metrics"])
     assert steps >= 1 and event.noise_multiplier == 1.0 and reply.content["metrics"]["sample-dp-epsilon"] > 0
+
+
+def test_a_second_optimizer_step_on_one_batch_is_refused_not_counted_as_an_independent_release():
+    """Hardening II, finding 5: two steps per batch were reported as 2x the steps at z (epsilon 4.52);
+    the truth is one step per batch at z / sqrt 2 (6.92). Such an event is refused."""
+    model = _model()
+    with make_record_dp(model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(_data(), batch_size=4),
+                        max_grad_norm=1.0, noise_multiplier=1.1, seed=0) as dp:
+        for x, y in dp.data_loader:
+            for _ in range(2):
+                dp.optimizer.zero_grad()
+                nn.functional.cross_entropy(dp.module(x), y).backward()
+                dp.optimizer.step()
+    assert dp.steps == 2 * dp.data_loader.batches
+    with pytest.raises(ValueError, match="one step per batch"):
+        dp.metrics()
+    with pytest.raises(ValueError, match="one step per batch"):
+        dp.epsilon
