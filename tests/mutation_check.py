@@ -1,0 +1,27 @@
+import subprocess, sys, pathlib
+M = [
+ ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.event())\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
+ ("fedprivacy/privacy/client_ledgers.py", "        if record_level:\n            try:", "        if True:\n            try:", "tests/engine/test_strategy.py -k without_record_level"),
+ ("fedprivacy/privacy/client_ledgers.py", "    z = 0.0 if z < MIN_NOISE_MULTIPLIER else min(z, MAX_NOISE_MULTIPLIER)\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),
+ ("fedprivacy/privacy/client_ledgers.py", "    batch = min(max(batch, MIN_CLIENT_SAMPLING_RATE * population), population) if batch > 0 else 0.0\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),
+ ("fedprivacy/privacy/accounting.py", "    if kind != \"rdp\" and _rdp_epsilon(active, delta, orders) > EPSILON_CEILING:\n", "    if False:\n", "tests/privacy/test_crafted_replies.py -k ceiling"),
+ ("fedprivacy/privacy/mechanism.py", "\"noise\": None if secret else self.noise.state_dict(),", "\"noise\": self.noise.state_dict(),", "tests/privacy/test_user_level_mechanism.py -k persists"),
+ ("fedprivacy/fl/strategy.py", "            expected.discard(reply.metadata.src_node_id)\n", "", "tests/engine/test_strategy.py -k second_reply"),
+ ("fedprivacy/locks.py", "folder = os.open(path.parent, os.O_RDONLY | getattr(os, \"O_DIRECTORY\", 0) | getattr(os, \"O_CLOEXEC\", 0))", "folder = os.open(path, os.O_RDWR | os.O_CREAT)", "tests/test_outputs.py -k deleting_the_lock"),
+ ("fedprivacy/fl/record_dp.py", "        if self.steps != self.data_loader.batches:", "        if False:", "tests/sample_dp/test_record_dp_client.py -k second_optimizer_step"),
+ ("fedprivacy/fl/mods.py", "        reply.content = content\n", "", "tests/engine/test_strategy.py -k only_the_noisy"),
+ ("fedprivacy/privacy/release_log.py", "            os.truncate(self.path, self._torn)\n", "            pass\n", "tests/engine/test_release_log_damage.py -k torn"),
+ ("fedprivacy/privacy/accounting.py", "    if not _is_real(value) or not MIN_DELTA <= value < 1:", "    if False:", "tests/engine/test_strategy.py -k refused_before_any_release"),
+ ("fedprivacy/fl/strategy.py", "seed: int | None = None, node_timeout", "seed: int | None = 0, node_timeout", "tests/engine/test_strategy.py -k default_draws"),
+ ("fedprivacy/privacy/mechanism.py", "            self.epoch = log.start_epoch(self.epoch)", "            self.epoch = log.start_epoch()", "tests/engine/test_release_log_damage.py -k epoch"),
+]
+for path, old, new, test in M:
+    p = pathlib.Path(path); src = p.read_text()
+    assert src.count(old) == 1, (path, old)
+    p.write_text(src.replace(old, new))
+    try:
+        r = subprocess.run(f".venv/bin/python -m pytest -q -x -p no:cacheprovider {test}", shell=True, capture_output=True, text=True, timeout=900)
+        out = r.stdout + r.stderr
+        print(("RED  " if r.returncode != 0 else "GREEN") , path, repr(old[:60]), "->", test, flush=True)
+    finally:
+        p.write_text(src)
