@@ -82,7 +82,9 @@ def writing(path: Path) -> Iterator[None]:
         raise OSError(errno.EIO, f"write failed ({str(err).splitlines()[-1].strip()})", str(path)) from None
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` through a temporary file and a rename: ``path`` holds the old or the new
+    version, never a torn one (a crash or a full disk mid-write leaves the old)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     with writing(path):
         try:
@@ -189,10 +191,10 @@ class RunOutputs:
             (self.dir / name).write_text(text)
 
     def save_model(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
-        _atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.dir / name)
+        atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.dir / name)
 
     def save_checkpoint(self, state: dict) -> None:
-        _atomic_save({**state, "metrics": self.rows, "config": self.cfg.to_json()}, self.checkpoint_path)
+        atomic_save({**state, "metrics": self.rows, "config": self.cfg.to_json()}, self.checkpoint_path)
 
     def write_json(self, name: str, data: Any) -> None:
         """``name`` in the run folder, as indented STRICT JSON (:func:`strict_json`)."""

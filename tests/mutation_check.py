@@ -1,5 +1,8 @@
+"""Mutation check of the Hardening II and resumable-strategy privacy fixes: each fix is broken in turn and
+the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
+(about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
 import subprocess, sys, pathlib
-M = [
+MUTATIONS = [
  ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.event())\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
  ("fedprivacy/privacy/client_ledgers.py", "        if record_level:\n            try:", "        if True:\n            try:", "tests/engine/test_strategy.py -k without_record_level"),
  ("fedprivacy/privacy/client_ledgers.py", "    z = 0.0 if z < MIN_NOISE_MULTIPLIER else min(z, MAX_NOISE_MULTIPLIER)\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),
@@ -14,8 +17,11 @@ M = [
  ("fedprivacy/privacy/accounting.py", "    if not _is_real(value) or not MIN_DELTA <= value < 1:", "    if False:", "tests/engine/test_strategy.py -k refused_before_any_release"),
  ("fedprivacy/fl/strategy.py", "seed: int | None = None, node_timeout", "seed: int | None = 0, node_timeout", "tests/engine/test_strategy.py -k default_draws"),
  ("fedprivacy/privacy/mechanism.py", "            self.epoch = log.start_epoch(self.epoch)", "            self.epoch = log.start_epoch()", "tests/engine/test_release_log_damage.py -k epoch"),
+ ("fedprivacy/fl/strategy.py", "            lost = self.mechanism.attach_release_log(ReleaseLog(self.state.dir))", "            lost = 0", "tests/engine/test_strategy_state.py -k kill"),
+ ("fedprivacy/fl/strategy.py", "                initial_arrays = self._restore(saved)", "                pass", "tests/engine/test_strategy_state.py -k bit_exactly"),
+ ("fedprivacy/fl/strategy_state.py", "        if changed:", "        if False:", "tests/engine/test_strategy_state.py -k changed_settings"),
 ]
-for path, old, new, test in M:
+for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path); src = p.read_text()
     assert src.count(old) == 1, (path, old)
     p.write_text(src.replace(old, new))

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -143,30 +144,31 @@ def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path, monkeypat
     assert out.checkpoint_path.read_bytes() == before and not list(out.dir.glob("*.tmp"))
 
 
-def test_deleting_the_lock_file_does_not_release_the_folder(tmp_path):
-    """Hardening II, finding 6: deleting .lock let a second --resume write into the same release log."""
+@contextmanager
+def _held_by_another_process(folder: Path):
+    """A subprocess holding ``folder``'s run lock until the block ends; yields its pid."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fedprivacy.outputs import run_lock\n"
-                               f"with run_lock({str(tmp_path / 'run')!r}):\n print('held', flush=True)\n"
+                               f"with run_lock({str(folder)!r}):\n print('held', flush=True)\n"
                                " sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.communicate("")
+
+
+def test_deleting_the_lock_file_does_not_release_the_folder(tmp_path):
+    """Hardening II, finding 6: deleting .lock let a second --resume write into the same release log."""
+    with _held_by_another_process(tmp_path / "run"):
         (tmp_path / "run" / ".lock").unlink()
         with pytest.raises(FolderBusyError, match="is running on"):
             with run_lock(tmp_path / "run"):
                 pass
-    finally:
-        holder.communicate("")
     with run_lock(tmp_path / "run"):  # released with its holder
         assert (tmp_path / "run" / ".lock").read_text().startswith(f"pid {os.getpid()}")
 
 
 def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fedprivacy.outputs import run_lock\n"
-                               f"with run_lock({str(tmp_path / 'run')!r}):\n print('held', flush=True)\n"
-                               " sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(FolderBusyError, match=rf"pid {holder.pid}, host {socket.gethostname()}, started 20"):
+    with _held_by_another_process(tmp_path / "run") as pid:
+        with pytest.raises(FolderBusyError, match=rf"pid {pid}, host {socket.gethostname()}, started 20"):
             run(build_config({"output_dir": str(tmp_path / "run")}))
-    finally:
-        holder.communicate("")

@@ -46,6 +46,15 @@ with its reason; the round's ``MetricRecord`` counts rejections by reason. A rep
 was not sampled this round, or a second reply from one that was, is dropped with a WARNING (a node
 never contributes twice: the sensitivity is one clipped update).
 
+Crashes: with ``state_dir=PATH`` (:mod:`fedprivacy.fl.strategy_state`) the strategy logs every release
+ahead and checkpoints after every round; a strategy constructed on a PATH that holds state continues
+it: ``start()`` resumes from the checkpoint's round and model (the ``initial_arrays`` it is given are
+then not used; ``Result.arrays`` is the final model, :attr:`DPFedAvg.arrays` the latest one), every
+logged release is accounted, no cohort or noise draw is reused, and a changed setting (z, C, m, N,
+sampling, placement, delta, seed, optimizer, ...) is refused naming it. ``num_rounds`` counts from the
+start of the run, not of the restart. WITHOUT ``state_dir`` the ledger lives only in memory: a crash
+loses it, and a restarted ServerApp would count its epsilon from zero.
+
 Randomness (what a server that keeps the strategy's state can rebuild): by default (``seed=None``)
 the cohort and the noise come from the OS's cryptographic source and nothing that rebuilds them is
 kept; with ``seed=S`` (a reproducible simulation, logged as such) anyone who knows ``S`` rebuilds
@@ -56,14 +65,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, reply_content, reply_to_update,
                                    vector_to_arrays)
@@ -74,7 +85,9 @@ from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
 from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.privacy.placement import Placement
+from fedprivacy.privacy.release_log import ReleaseLog
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +118,8 @@ class DPFedAvg(Strategy):
         seed: None (default, a deployment's): cohort and noise from the OS's cryptographic source; an int:
             a reproducible simulation whose cohorts and noise anyone knowing the seed can rebuild.
         node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
+        state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
+            "Crashes"); None: nothing is kept, and a crash loses the ledger.
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
@@ -113,7 +128,15 @@ class DPFedAvg(Strategy):
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
                  record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
-                 seed: int | None = None, node_timeout: float = 600.0) -> None:
+                 seed: int | None = None, node_timeout: float = 600.0, state_dir: str | Path | None = None) -> None:
+        self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
+                         "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
+                         "placement": placement, "optimizer": optimizer, "lr": lr,
+                         "optimizer_settings": dict(optimizer_settings or {}),
+                         "adaptive_clipping": None if adaptive_clipping is None else asdict(adaptive_clipping),
+                         "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
+                         "delta": delta, "seed": seed}
+        """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
         self.mechanism = GaussianMechanism(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
             population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping, seed=seed)
@@ -135,8 +158,39 @@ class DPFedAvg(Strategy):
         self._nodes: list[int] | None = None
         self._sent: dict[str, np.ndarray] | None = None
         self._cohort: set[int] = set()  # the nodes sampled this round: each may contribute once
+        self.round = 0  # rounds completed, across restarts
+        self._offset = 0  # rounds completed before this start(): Flower's loop counts from 1 again
+        self.state = None if state_dir is None else StrategyState(state_dir)
+        if self.state is not None:
+            self.state.load(self.settings)  # a changed setting is refused now, before anything runs
 
     # -- Flower's Strategy interface ----------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``; with ``state_dir``, resumable (module docstring, "Crashes")."""
+        if self.state is None:
+            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                 evaluate_fn)
+        with self.state.lock():
+            saved = self.state.load(self.settings)
+            if saved is not None:
+                initial_arrays = self._restore(saved)
+            lost = self.mechanism.attach_release_log(ReleaseLog(self.state.dir))
+            if lost:
+                log.warning("%d release(s) were made after the checkpoint (round %d) and are accounted; the round "
+                            "after it runs again with a fresh cohort and draw", lost, self.round)
+            self._offset = offset = self.round
+            shifted = None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd + offset, arrays))
+            result = super().start(grid, initial_arrays, max(num_rounds - offset, 0), timeout, train_config,
+                                   evaluate_config, shifted)
+        return _shift_rounds(result, offset, initial_arrays)
+
+    @property
+    def arrays(self) -> ArrayRecord | None:
+        """The latest model (after the last completed round, or as restored from ``state_dir``), or None."""
+        return None if self._sent is None else arrays_to_record(self._sent)
+
     def summary(self) -> None:
         m = self.mechanism
         log.info("DPFedAvg: z=%g, C=%g, m=%d of N=%d (%s sampling), delta=%.3g, server optimizer %s",
@@ -154,7 +208,8 @@ class DPFedAvg(Strategy):
             return []
         nodes = self._population(grid)
         self._sent = float32_arrays(arrays)
-        content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "server-round": server_round})})
+        t = self._offset + server_round
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "server-round": t})})
         lookahead = self.step.lookahead(arrays_to_vector(self._sent))
         if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
             content["lookahead"] = arrays_to_record(vector_to_arrays(lookahead, self._sent))
@@ -184,13 +239,17 @@ class DPFedAvg(Strategy):
         for line in agg.stats.rejection_warnings():
             log.warning("round %d: %s", server_round, line)
         phi = self.mechanism.phi()
-        g, _ = self.mechanism.release(agg, server_round)
+        self.round = self._offset + server_round
+        g, _ = self.mechanism.release(agg, self.round)
         self.step.apply_(x, g, phi)
+        self._sent = vector_to_arrays(x, self._sent)
+        if self.state is not None:
+            self.state.save(self.settings, {"round": self.round, "arrays": self._sent, **self._state_dict()})
         metrics = {**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
                                                for k, v in self.epsilons().items()}}
         if len(self.client_ledgers):
             metrics["client_epsilon_max"] = max(self.client_epsilons().values())
-        return arrays_to_record(vector_to_arrays(x, self._sent)), MetricRecord(metrics)
+        return arrays_to_record(self._sent), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -211,6 +270,21 @@ class DPFedAvg(Strategy):
         return self.client_ledgers.epsilons(self.delta, kind or self.budget_accountant)
 
     # -- internals ----------------------------------------------------------------------------
+    def _state_dict(self) -> dict[str, Any]:
+        return {"step": self.step.state_dict(), "mechanism": self.mechanism.state_dict(),
+                "client_ledgers": self.client_ledgers.state_dict()}
+
+    def _restore(self, saved: dict[str, Any]) -> ArrayRecord:
+        """Continue from ``saved`` (:meth:`StrategyState.load`); returns the model to start from."""
+        self.round = int(saved["round"])
+        self.step.load_state_dict(saved["step"])
+        self.mechanism.load_state_dict(saved["mechanism"])
+        self.client_ledgers.load_state_dict(saved["client_ledgers"])
+        self._sent = dict(saved["arrays"])
+        log.info("DPFedAvg: resumed from %s at round %d (%d releases accounted)", self.state.path, self.round,
+                 self.mechanism.ledger.rounds)
+        return arrays_to_record(self._sent)
+
     def _population(self, grid: Grid) -> list[int]:
         """The population's node ids, fixed at round 1 once all ``population`` nodes are registered."""
         if self._nodes is None:
@@ -237,3 +311,15 @@ class DPFedAvg(Strategy):
         except ValueError as err:
             raise RejectedUpdate("unaccounted", str(err)) from None
         return reply_to_update(content, x, layout)
+
+
+def _shift_rounds(result: Result, offset: int, initial_arrays: ArrayRecord) -> Result:
+    """Flower's ``Result`` of a restarted loop with its rounds numbered from the run's start."""
+    for history in (result.train_metrics_clientapp, result.evaluate_metrics_clientapp,
+                    result.evaluate_metrics_serverapp):
+        shifted = {rnd + offset: v for rnd, v in history.items()}
+        history.clear()
+        history.update(shifted)
+    if not len(result.arrays):  # no round ran in this start(): the model is where the run left it
+        result.arrays = initial_arrays
+    return result
