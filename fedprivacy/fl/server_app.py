@@ -248,7 +248,9 @@ class DPFedAvgServer:
                       "(privacy.secure_noise makes them unpredictable)")
         clients = ("; client-side noise from the seed on fedprivacy's simulation engines, from each device's "
                    "cryptographic source on real SuperNodes" if p.placement != "central" or records else "")
-        return (f"user-level ({p.sampling} sampling, delta={self.delta:.3g}) for {who}; {where}{records}{side}; "
+        weak = (" >= 1/population: permits publishing a random user's data in full" if
+                self.delta >= 1 / self.claim_population else "")
+        return (f"user-level ({p.sampling} sampling, delta={self.delta:.3g}{weak}) for {who}; {where}{records}{side}; "
                 f"{randomness}{clients}")
 
     def _model_state(self) -> dict[str, torch.Tensor]:

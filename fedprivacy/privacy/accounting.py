@@ -403,7 +403,7 @@ def resolve_delta(delta: float | None, population: int, name: str = "delta") -> 
         raise ValueError(f"{name} must be in [{MIN_DELTA:g}, 1){default}, got {value!r}")
     if value >= 1.0 / population:
         log.warning("%s=%.3g >= 1/population (1/%d): a guarantee with such a delta permits publishing a random "
-                    "user's data in full (each user with probability delta: %.3g users in expectation; Dwork & "
+                    "user's data in full (each user with probability delta: %.3g user(s) in expectation; Dwork & "
                     "Roth 2014, §2.3); choose a delta well below 1/population", name, value, population,
                     value * population)
     return value

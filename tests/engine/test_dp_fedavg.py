@@ -392,3 +392,15 @@ def test_summary_is_strict_json_and_records_the_data_it_used(small_config):
     data = summary["data"]
     assert data["synthetic"] is True and data["path"] == str(cfg.data.path.resolve())
     assert {"stackoverflow.sqlite"} <= set(data["files"]) and all(f["size"] > 0 for f in data["files"].values())
+
+
+def test_a_delta_of_at_least_one_over_n_is_flagged_in_the_claim_and_the_log(small_config, tmp_path, caplog):
+    """Hardening II, finding 3: privacy.delta=0.5 ran silently and the default 1/N was never flagged."""
+    with caplog.at_level("WARNING"):
+        weak = run(small_config("rounds=1", "privacy.delta=0.5", f"output_dir={tmp_path / 'weak'}"))
+    assert "delta=0.5 >= 1/population: permits publishing a random user's data in full" in weak["privacy_claim"]
+    assert any("privacy.delta=0.5 >= 1/population" in r.getMessage() for r in caplog.records)
+    default = run(small_config("rounds=1", f"output_dir={tmp_path / 'default'}"))
+    assert ">= 1/population" in default["privacy_claim"]  # the default 1/N is exactly such a delta
+    strong = run(small_config("rounds=1", "privacy.delta=1e-6", f"output_dir={tmp_path / 'strong'}"))
+    assert ">= 1/population" not in strong["privacy_claim"]
