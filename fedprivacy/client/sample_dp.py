@@ -69,7 +69,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import Dataset, TensorDataset
 
-from fedprivacy.devices import host_floats
+from fedprivacy.client.tensors import host_floats
 from fedprivacy.optim.sample_dp import SampleDPConfig, SampleDPOptimizer, clip_factors, make_sample_dp_optimizer
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.noise import torch_seed

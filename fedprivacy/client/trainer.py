@@ -33,7 +33,7 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from fedprivacy.devices import host_floats
+from fedprivacy.client.tensors import host_floats
 from fedprivacy.privacy.aggregation import SparseUpdate
 
 CLIENT_STREAM = 0x636C69656E74  # "client"

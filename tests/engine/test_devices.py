@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-from fedprivacy import devices
 from fedprivacy.cli import main
+from fedprivacy.client.tensors import host_floats
 from fedprivacy.config import ConfigError, build_config
 from fedprivacy.devices import DeviceUnavailableError, check_run_device, require_device, worker_gpus
 
@@ -118,6 +118,6 @@ def test_compare_refuses_cuda_studies_it_cannot_place(fake_gpus):
 
 def test_host_floats_reads_what_float_reads():
     values = [torch.tensor(0.1), torch.tensor(1e-30), torch.tensor(float("nan"))]
-    read = devices.host_floats(values)
+    read = host_floats(values)
     assert read[:2] == [float(v) for v in values[:2]] and read[2] != read[2]
-    assert devices.host_floats([]) == []
+    assert host_floats([]) == []
