@@ -20,8 +20,8 @@ line is appended to ``releases.jsonl`` and fsynced:
   generator and the cohort sampler with the next epoch (:func:`rekeyed_seed`), so no re-run round
   reuses a draw or a cohort. A resume from the last release's checkpoint changes nothing (bit-identical).
 
-A line cut short by a crash during its own write is ignored, and cut off the file before the next
-record is appended: its release had not happened yet (the line is complete, fsynced, before the
+A last line cut short by a crash during its own write (not even JSON) is ignored, and cut off the
+file before the next record is appended: its release had not happened yet (the line is complete, fsynced, before the
 noise is added). Any other unreadable line is an error that names the file and the line.
 
 Damage is refused, never read as fewer releases (:meth:`ReleaseLog.check`, before a resumed run
@@ -64,6 +64,21 @@ def rekeyed_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, REKEY_STREAM, epoch]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def _parse_entry(line: bytes) -> dict[str, Any]:
+    """One record, every field of its type (``release`` and ``round`` integers >= 1, ``epoch`` >= 0, ``draw``
+    a string or null, ``event`` a valid ``GaussianRound``); ValueError, KeyError or TypeError otherwise."""
+    entry = json.loads(line)
+    record = {k: entry[k] for k in ("release", "round", "epoch", "draw", "event")}
+    for name, minimum in (("release", 1), ("round", 1), ("epoch", 0)):
+        value = record[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not (record["draw"] is None or isinstance(record["draw"], str)):
+        raise ValueError(f"draw must be a string or null, got {record['draw']!r}")
+    GaussianRound(**record["event"])
+    return record
+
+
 class ReleaseLog:
     """The run folder's ``releases.jsonl``: appended and fsynced once per release."""
 
@@ -72,7 +87,7 @@ class ReleaseLog:
         self._torn: int | None = None  # where a line cut by a crash starts: cut off before appending
         self._unterminated = False  # the last whole record lost its newline in a crash: end it before appending
         self.entries: list[dict[str, Any]] = self._read()
-        self.epoch = max((int(e["epoch"]) for e in self.entries), default=0)
+        self.epoch = max((e["epoch"] for e in self.entries), default=0)
         self._draws = {e["draw"] for e in self.entries if e["draw"] is not None}
 
     def _read(self) -> list[dict[str, Any]]:
@@ -85,13 +100,13 @@ class ReleaseLog:
             if not line.strip():
                 continue
             try:
-                entry = json.loads(line)
-                GaussianRound(**entry["event"])
-                entries.append({k: entry[k] for k in ("release", "round", "epoch", "draw", "event")})
-            except (ValueError, KeyError, TypeError) as err:
+                entries.append(_parse_entry(line))
+            except json.JSONDecodeError as err:
                 if number == len(lines):  # the last line, cut short by a crash during its own write
                     self._torn = len(data) - len(line)
                     break
+                raise ValueError(f"{self.path}: line {number} is not a release record ({err})") from None
+            except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{self.path}: line {number} is not a release record ({err})") from None
         self._unterminated = self._torn is None and bool(data) and not data.endswith(b"\n")
         for before, entry in zip(entries, entries[1:]):

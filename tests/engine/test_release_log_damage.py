@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger
 from fedprivacy.privacy.mechanism import GaussianMechanism
@@ -88,3 +90,41 @@ def test_the_noise_epoch_never_goes_back_below_the_checkpoints(tmp_path):
     g_fresh, _ = fresh.release(fresh.aggregator(50), 1)
     g_resumed, _ = resumed.release(resumed.aggregator(50), 4)
     assert not torch.equal(g_fresh, g_resumed)
+
+
+_EVENT = {"noise_multiplier": 1.0, "sampling": "poisson", "population": 100, "expected_cohort": 10.0}
+_FIELD_VALUES = st.one_of(st.integers(-3, 5), st.floats(allow_nan=True), st.text(max_size=3), st.none(),
+                          st.booleans(), st.lists(st.integers(), max_size=2), st.just(_EVENT))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(st.one_of(
+    st.binary(max_size=40),
+    st.fixed_dictionaries({k: _FIELD_VALUES for k in ("release", "round", "epoch", "draw", "event")}).map(
+        lambda d: json.dumps(d).encode()),
+    st.builds(lambda k, e: json.dumps({"release": k, "round": k, "epoch": e, "draw": f"d{k}", "event": _EVENT}).encode(),
+              st.integers(1, 4), st.integers(0, 2))), max_size=6), ledger_rounds=st.integers(0, 4))
+def test_any_release_log_is_read_or_refused_naming_the_file_never_a_crash(tmp_path, lines, ledger_rounds):
+    """Crafted or damaged files: wrong types, non-JSON bytes, lies about positions and epochs."""
+    path = tmp_path / RELEASES
+    path.write_bytes(b"\n".join(lines))
+    event = GaussianRound(**_EVENT)
+    try:
+        log = ReleaseLog(tmp_path)
+        log.check(PrivacyLedger([(event, ledger_rounds)] if ledger_rounds else []), event)
+    except ValueError as err:
+        assert RELEASES in str(err)
+        return
+    releases = [e["release"] for e in log.entries]
+    assert releases == list(range(1, len(releases) + 1)) and len(releases) >= ledger_rounds
+    assert all(type(e["epoch"]) is int and e["epoch"] >= 0 and type(e["release"]) is int for e in log.entries)
+
+
+def test_a_whole_but_altered_last_record_is_refused_not_dropped_as_torn(tmp_path):
+    """Only a line that is not even JSON can be the one a crash cut; a parseable record of the wrong shape
+    at the end (no newline) is damage, and dropping it would drop a release."""
+    good = {"release": 1, "round": 1, "epoch": 0, "draw": "d1", "event": _EVENT}
+    altered = {**good, "release": "2"}
+    (tmp_path / RELEASES).write_text(json.dumps(good) + "\n" + json.dumps(altered))
+    with pytest.raises(ValueError, match="line 2 is not a release record"):
+        ReleaseLog(tmp_path)
