@@ -156,7 +156,7 @@ def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_con
     from fedprivacy.privacy.aggregation import PrivateSum
     from fedprivacy.task import load_task
 
-    m, clip, s = 8, 1000.0, 0.3
+    m, clip, s = 8, 100.0, 0.3  # |u| = 0.3 sqrt(d) = 95 < C: unclipped; z = 0.08 >= 2^-6
     z = m / clip  # Phi = (z C / m)^2 = 1
     cfg = small_config("server.optimizer=adambc", "server.lr=1e-6", "server.beta2=0.99", "server.gamma_prime=1e-6",
                        "server.disk.kappa=0.7", f"privacy.noise_multiplier={z}", f"privacy.clip_norm={clip}",
