@@ -38,6 +38,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
 from fedprivacy.client.trainer import client_generator
 from fedprivacy.config import ConfigError, RunConfig
+from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.records import load_record_, update_to_record
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.task import Task, load_task
@@ -58,8 +59,8 @@ MIN_CHUNK, MAX_CHUNK = 8, 256
 def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
     """Why ``cfg``'s clients (of ``task``) cannot be trained together, naming the setting, or ``None``;
     read from the config and the task alone (the model's own obstacles: :func:`unsupported_reason`)."""
-    if cfg.engine != "inprocess" or cfg.processes > 1:
-        return f"engine {cfg.engine!r} with processes={cfg.processes} (needs 'inprocess' with processes: 1)"
+    if cfg.engine != "inprocess" or run_processes(cfg) > 1:
+        return f"engine {cfg.engine!r} with processes={run_processes(cfg)} (needs 'inprocess' with processes: 1)"
     for name, value in (("client.sample_dp", cfg.client.sample_dp), ("client.adadps", cfg.client.adadps),
                         ("client.compression", cfg.client.compression)):
         if value is not None:
