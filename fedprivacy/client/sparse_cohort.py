@@ -61,7 +61,7 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
     start = x.clone()
     plan = _Plan.build([local for _, local in supports], starts, counts, rngs, epochs, batch_size,
                        np.concatenate([np.asarray(y, dtype=np.int64) for _, y in clients]), device)
-    losses = torch.empty(len(plan.owner), dtype=x.dtype, device=device)  # each trained row's loss, in step order
+    picked = torch.empty(len(plan.owner), 1, dtype=x.dtype, device=device)  # each row's softmax(z)_y, in step order
     minus_one = torch.full((int(np.diff(plan.row_at).max(initial=0)), 1), -1.0, dtype=x.dtype, device=device)
     for j in range(len(plan.row_at) - 1):
         r0, r1, k0, k1 = plan.row_at[j], plan.row_at[j + 1], plan.nnz_at[j], plan.nnz_at[j + 1]
@@ -70,14 +70,14 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
                                                    per_sample_weights=plan.values[k0:k1])
         p = torch.softmax(logits, dim=1)
         at = plan.labels[r0:r1, None]
-        torch.log(p.gather(1, at).squeeze_(1), out=losses[r0:r1])
+        torch.gather(p, 1, at, out=picked[r0:r1])
         p.scatter_add_(1, at, minus_one[:r1 - r0])  # softmax(z) - e_y; the 1 / B is in the backward's values
         xt = torch.sparse_coo_tensor(plan.indices[:, k0:k1], plan.scaled[k0:k1], (len(x), r1 - r0),
                                      check_invariants=False)
         torch.addmm(x, xt, p, alpha=-lr, out=x)
     x.sub_(start)
-    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(
-        0, plan.owner, losses.double()).neg_().tolist()
+    losses = picked.squeeze(1).log_().neg_().double()  # the rows' cross-entropies
+    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(0, plan.owner, losses).tolist()
     dim = sum(p.numel() for p in model.parameters())
     results = []
     for i, (blocks, _) in enumerate(supports):
