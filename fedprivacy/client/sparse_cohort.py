@@ -57,7 +57,7 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
     sizes = np.array([len(blocks) for blocks, _ in supports])
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # o_i: client i's bias row in X
     counts = np.array([len(labels) for _, labels in clients])
-    x = torch.cat([_start_rows(bias, weight, blocks) for blocks, _ in supports])
+    x = _start_rows(bias, weight, torch.cat([blocks for blocks, _ in supports]), starts)
     start = x.clone()
     plan = _Plan.build([local for _, local in supports], starts, counts, rngs, epochs, batch_size,
                        np.concatenate([np.asarray(y, dtype=np.int64) for _, y in clients]), device)
@@ -147,9 +147,12 @@ class _Plan:
                    labels=as_tensor(labels[rows]), owner=as_tensor(owner))
 
 
-def _start_rows(bias: torch.Tensor, weight: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The starting point's rows ``blocks`` of the ``(1 + V, K)`` layout (row 0 the bias, row ``1 + w`` word ``w``)."""
-    return torch.cat([bias.unsqueeze(0), weight.index_select(0, blocks[1:] - 1)])
+def _start_rows(bias: torch.Tensor, weight: torch.Tensor, blocks: torch.Tensor, bias_rows: np.ndarray) -> torch.Tensor:
+    """The starting point's rows ``blocks`` of the ``(1 + V, K)`` layout (block 0 the bias, block ``1 + w``
+    word ``w``), the clients' blocks one after another, their bias blocks at ``bias_rows``: one gather."""
+    rows = weight.index_select(0, (blocks - 1).clamp_(min=0))  # a bias block reads word 0's row here ...
+    rows[torch.from_numpy(bias_rows).to(rows.device)] = bias  # ... and is overwritten with the bias
+    return rows
 
 
 def _step_sizes(n: int, per_epoch: int, epochs: int, batch_size: int) -> np.ndarray:
