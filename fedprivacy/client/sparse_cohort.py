@@ -19,8 +19,10 @@ for batch rows :math:`r` of client :math:`c(r)` with stored values :math:`v_{rk}
 positions :math:`\\ell_{rk}`, labels :math:`y_r` and batch size :math:`B_{c(r), j}` (each epoch's
 last batch may be short). The clients' rows are disjoint, so these are exactly each client's own
 steps: the one-at-a-time gradient of the batch mean cross-entropy, made of one ``embedding_bag``,
-one softmax, one ``index_add_`` and one sparse-dense ``addmm`` for all of them instead of per
-client (the per-step dispatch cost, which dominates a 10-post batch, is paid once per step). The
+one softmax and one sparse-dense ``addmm`` for all of them instead of per client (the per-step
+dispatch cost, which dominates a 10-post batch, is paid once per step); the bias is one more
+stored value of every post (its row :math:`o_{c(r)}`, value 1), so both sums above are in the same
+two calls. The
 update is :math:`\\Delta_i = x_i^{(s_i)} - x_i^{(0)}`, block-sparse over :math:`S_i`, equal to the
 one-at-a-time delta within float rounding (that path accumulates :math:`\\Delta` itself and reads
 :math:`x_t` at every step; the sums run in another order). Each client's batch order comes from its

@@ -69,8 +69,9 @@ MIN_CHUNK, MAX_CHUNK = 8, 256
 SPARSE_CHUNK_EXAMPLES = 2000
 """The sparse tag model's chunk: clients holding about this many examples together (about five
 StackOverflow-shaped users). Its working set is the chunk's support rows (about 3 MB per user at
-500 tags); smaller chunks pay the per-step dispatch more often, larger ones leave the cache
-(benchmarks/quickstart_round.py measures both ends)."""
+500 tags): smaller chunks pay the per-step dispatch more often, larger ones leave the L3 cache.
+Not tuned by a recorded measurement (the shared machine's noise exceeded the differences; see
+BENCHMARKS.md); ``benchmarks/quickstart_round.py --chunks N ...`` measures other sizes."""
 
 
 def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
