@@ -222,7 +222,8 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
 
 def _announce(trainer: CohortTrainer) -> CohortTrainer:
     """Log how the run's cohorts train; return ``trainer``."""
-    size = f"chunks of about {trainer.chunk} examples" if trainer.sparse else f"{trainer.chunk} clients per batched step"
+    size = (f"chunks of about {trainer.chunk} examples" if trainer.sparse
+            else f"{trainer.chunk} clients per batched step")
     log.info("training cohorts together, %s, on %d thread(s) (cohort_batching=%s)", size, trainer.threads,
              trainer.cfg.cohort_batching)
     return trainer

@@ -134,7 +134,8 @@ class RunProgress:
         self._handlers = []
 
     def round_done(self, round_: int, row: dict[str, float]) -> None:
-        """Round ``round_`` is recorded with metrics ``row`` (``epsilon_<accountant>``, ``test_accuracy`` when evaluated)."""
+        """Round ``round_`` is recorded with metrics ``row`` (``epsilon_<accountant>``, and ``test_accuracy``
+        in the rounds that evaluate)."""
         now = self.clock()
         if self._first is None:
             self._first = round_ - 1

@@ -180,8 +180,10 @@ class DPFedAvgServer:
     round's draws are made, so it runs on a second core during that round's tail and this round's
     clients; off only for servers that change the mechanism mid-round (the audit's broken variants)."""
 
-    def __init__(self, cfg: RunConfig, task: Task, on_round: Callable[[int, dict[str, float]], None] | None = None) -> None:
-        """``on_round(round, metrics row)``, if given, is called after each round is recorded (e.g. a progress display)."""
+    def __init__(self, cfg: RunConfig, task: Task,
+                 on_round: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        """``on_round(round, metrics row)``, if given, is called after each round is recorded (e.g. a
+        progress display)."""
         cfg = resolve_noise_multiplier(cfg, task.population)
         self.on_round = on_round
         self.cfg = cfg
