@@ -76,6 +76,7 @@ def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: in
     builds the run config from ``(engine, rounds, data, out, cohort, clients, processes)``."""
     import pandas as pd
 
+    from fedprivacy.engines.processes import run_processes
     from fedprivacy.run import run
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,9 +86,10 @@ def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: in
         summary = run(cfg)
         wall = time.perf_counter() - t0
         seconds = pd.read_csv(Path(tmp) / engine / "metrics.csv")["seconds"].tolist()[:-1]
-    return {"engine": engine, "processes": cfg.processes, "population": summary["population"],
+    processes = run_processes(cfg)
+    return {"engine": engine, "processes": processes, "population": summary["population"],
             "round_seconds": seconds, "wall_s_including_startup": wall,
-            "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if cfg.processes > 1
+            "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if processes > 1
             else None}
 
 

@@ -43,9 +43,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from fedprivacy.outputs import CHECKPOINT
     from fedprivacy.run import run
 
+    from fedprivacy.experiments.progress import RunProgress
+
     cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
     try:
-        summary = run(cfg, resume=args.resume)
+        with RunProgress(cfg.rounds, cfg.privacy.budget_accountant, mode="off" if args.quiet else None) as progress:
+            summary = run(cfg, resume=args.resume, on_round=progress.round_done)
     except KeyboardInterrupt:
         if (Path(cfg.output_dir) / CHECKPOINT).is_file():
             command = ["fedprivacy", "run", *([args.config] if args.config else []),
@@ -231,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set privacy.noise_multiplier=0 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress display or lines and no per-round log (warnings only); the JSON summary still "
+                        "goes to stdout")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("compare", help="run a study: methods x privacy budgets x seeds x hyperparameter grid, in "
@@ -337,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    quiet = getattr(args, "quiet", False)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from fedprivacy.data.stackoverflow import DataFormatError
     from fedprivacy.locks import FolderBusyError

@@ -452,11 +452,14 @@ class RunConfig(_Section):
     num_threads: int | None = Field(1, ge=1)
     """torch intra-op threads in this process (``None``: torch's default). Per-client work is
     small sparse ops, which threads slow down more than they help (see BENCHMARKS.md)."""
-    processes: int = Field(1, ge=1)
-    """In-process engine: processes that run ClientApps, this one and ``processes - 1`` forked
-    workers (:mod:`fedprivacy.engines.processes`); results are bit-identical for any number. Use
-    the machine's cores (e.g. 2 on 2 cores): a round too small to pay the hand-over to the workers
-    runs in this process by itself. ``device: cpu`` only (CUDA does not survive a fork)."""
+    processes: int | None = Field(None, ge=1)
+    """In-process engine on the CPU: how many cores run the clients. ``None`` (default): every core
+    this run may use (:func:`fedprivacy.engines.processes.run_processes`; ``fedprivacy compare``
+    splits them between its parallel runs); ``1``: one core. One-at-a-time clients run on this
+    process and ``processes - 1`` forked workers (:mod:`fedprivacy.engines.processes`; a round too
+    small to pay the hand-over runs in this process alone); a cohort trained together
+    (``cohort_batching``) runs its chunks on ``processes`` threads. Results are bit-identical for any
+    number. Other engines and devices: 1 (``device: cpu`` only, as CUDA does not survive a fork)."""
     cohort_batching: Literal["auto", "on", "off"] = "auto"
     """In-process engine: train a round's clients together, as one batched computation over their
     stacked parameters (:mod:`fedprivacy.engines.cohorts`); the updates equal one-at-a-time local SGD
@@ -503,19 +506,19 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _processes_fit_the_engine(self) -> RunConfig:
-        if self.processes > 1 and self.engine != "inprocess":
+        if (self.processes or 1) > 1 and self.engine != "inprocess":
             raise ValueError(f"processes={self.processes} applies to engine 'inprocess' only (engine {self.engine!r} "
                              "places clients itself: see ray.num_cpus)")
-        if self.processes > 1 and self.device != "cpu":
+        if (self.processes or 1) > 1 and self.device != "cpu":
             raise ValueError(f"processes={self.processes} needs device 'cpu' (got {self.device!r}): worker processes "
                              "are forked and CUDA cannot be used after a fork; use processes: 1 on a GPU")
         return self
 
     @model_validator(mode="after")
     def _cohort_batching_fits_the_engine(self) -> RunConfig:
-        if self.cohort_batching == "on" and (self.engine != "inprocess" or self.processes > 1):
-            raise ValueError(f"cohort_batching='on' needs engine 'inprocess' with processes: 1 (got engine "
-                             f"{self.engine!r}, processes={self.processes}): the cohort trains in this process")
+        if self.cohort_batching == "on" and self.engine != "inprocess":
+            raise ValueError(f"cohort_batching='on' needs engine 'inprocess' (got engine {self.engine!r}): the "
+                             "cohort trains in this process")
         return self
 
     @model_validator(mode="after")

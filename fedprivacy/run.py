@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from fedprivacy.config import RunConfig
 from fedprivacy.devices import check_run_device
 from fedprivacy.engines.cohorts import cohort_trainer
 from fedprivacy.engines.inprocess import run_inprocess
+from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.outputs import require_checkpoint, run_lock
@@ -22,8 +24,11 @@ from fedprivacy.task import ensure_data, load_task
 log = logging.getLogger(__name__)
 
 
-def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
+def run(cfg: RunConfig, resume: bool = False,
+        on_round: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary.
+    ``on_round(round, metrics row)`` is called after each round the server records (e.g.
+    :class:`~fedprivacy.experiments.progress.RunProgress`).
 
     The run holds ``cfg.output_dir``'s lock throughout: a second run into the folder is refused
     (:class:`~fedprivacy.locks.FolderBusyError` naming this one's pid, host and start time). A
@@ -38,10 +43,10 @@ def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     ensure_data(cfg.data)
     with run_lock(cfg.output_dir):
         task = load_task(cfg.data)
-        server_app, client_app = build_server_app(cfg, resume), build_client_app(cfg)
+        server_app, client_app = build_server_app(cfg, resume, on_round), build_client_app(cfg)
         if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
             run_inprocess(server_app, client_app, task.population, prefetch=getattr(task, "prefetch", None),
-                          processes=cfg.processes, cohort=cohort_trainer(cfg))
+                          processes=run_processes(cfg), cohort=cohort_trainer(cfg))
         else:
             from fedprivacy.engines.ray import run_ray
 

@@ -330,9 +330,14 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+_ONE_BYTE_VARINTS = tuple(bytes([v]) for v in range(0x80))
+"""``_varint(v)`` for ``v < 128`` (one byte: the value itself), looked up instead of built."""
+
+
 def _delimited(field_byte: bytes, payload: bytes) -> bytes:
     """A length-delimited protobuf field: its tag byte, the length, the payload."""
-    return field_byte + _varint(len(payload)) + payload
+    n = len(payload)
+    return field_byte + (_ONE_BYTE_VARINTS[n] if n < 0x80 else _varint(n)) + payload
 
 
 def _entry(name: bytes, feature: bytes) -> bytes:

@@ -24,20 +24,33 @@ batched on the CPU (0.52x: its matmul-written cell cannot use the fused ``aten::
 which has no ``vmap`` rule, and CPU ``bmm`` is slower than ``mm`` at its shapes), so ``auto``
 leaves it one at a time; ``on`` still batches it (e.g. on a GPU, unmeasured here). The rule depends only on the
 config and the model, never on timings, so a run is reproducible bit for bit.
+
+The tag task's sparse logistic regression (5,000,500 parameters, but each client reads and changes
+only the rows of its own words) has its own batched path,
+:func:`~fedprivacy.client.sparse_cohort.train_sparse_cohort`: the clients' support rows laid one
+after another in one matrix, one ``embedding_bag`` and one sparse ``addmm`` per local step for all
+of them. ``auto`` always takes it (benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's
+round"). Its chunks only read the model, so they train on ``processes`` threads at once
+(:func:`~fedprivacy.engines.processes.run_processes`), and the replies still come in chunk order.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
 
 from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
+from fedprivacy.client.sparse_cohort import train_sparse_cohort, trains_in_closed_form
 from fedprivacy.client.trainer import client_generator
 from fedprivacy.config import ConfigError, RunConfig
+from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.records import load_record_, update_to_record
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.task import Task, load_task
@@ -53,21 +66,25 @@ CHUNK_BYTES = 4 << 20
 (at least :data:`MIN_CHUNK`, at most :data:`MAX_CHUNK`), so a round of any cohort streams its
 replies chunk by chunk and the working set stays near the cache."""
 MIN_CHUNK, MAX_CHUNK = 8, 256
+SPARSE_CHUNK_EXAMPLES = 2000
+"""The sparse tag model's chunk: clients holding about this many examples together (about five
+StackOverflow-shaped users). Its working set is the chunk's support rows (about 3 MB per user at
+500 tags): smaller chunks pay the per-step dispatch more often, larger ones leave the L3 cache.
+Not tuned by a recorded measurement (the shared machine's noise exceeded the differences; see
+BENCHMARKS.md); ``benchmarks/quickstart_round.py --chunks N ...`` measures other sizes."""
 
 
 def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
     """Why ``cfg``'s clients (of ``task``) cannot be trained together, naming the setting, or ``None``;
     read from the config and the task alone (the model's own obstacles: :func:`unsupported_reason`)."""
-    if cfg.engine != "inprocess" or cfg.processes > 1:
-        return f"engine {cfg.engine!r} with processes={cfg.processes} (needs 'inprocess' with processes: 1)"
+    if cfg.engine != "inprocess":
+        return f"engine {cfg.engine!r} (needs 'inprocess')"
     for name, value in (("client.sample_dp", cfg.client.sample_dp), ("client.adadps", cfg.client.adadps),
                         ("client.compression", cfg.client.compression)):
         if value is not None:
             return f"{name} is set (per-client noise, preconditioner or residual state)"
     if cfg.privacy.placement != "central":
         return f"privacy.placement={cfg.privacy.placement!r} (clients add their own noise)"
-    if getattr(task, "closed_form_softmax", False):
-        return f"data.task={cfg.data.task!r} trains in closed form (its own fast path)"
     if task.population == 0:
         return "the task has no clients"
     return None
@@ -87,13 +104,37 @@ def chunks_by_size(sizes: Sequence[int], chunk: int) -> list[list[int]]:
     return [order[lo:lo + chunk] for lo in range(0, len(order), chunk)]
 
 
-class CohortTrainer:
-    """Replies to a round's ``train`` messages, their local SGD trained together in chunks."""
+def chunks_by_examples(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Positions ``0..len(sizes)-1``, the most examples first (as :func:`chunks_by_size`), in chunks
+    closed as soon as their clients hold at least ``budget`` examples (so one large client is a chunk
+    of its own, and many small ones share one)."""
+    chunks, held = [[]], 0
+    for i in chunks_by_size(sizes, max(len(sizes), 1))[0] if sizes else []:
+        if held >= budget:
+            chunks, held = [*chunks, []], 0
+        chunks[-1].append(i)
+        held += sizes[i]
+    return [c for c in chunks if c]
 
-    def __init__(self, cfg: RunConfig, task: Task, model: torch.nn.Module) -> None:
+
+class CohortTrainer:
+    """Replies to a round's ``train`` messages, their local SGD trained together in chunks.
+
+    The tag task's sparse model (:func:`~fedprivacy.client.sparse_cohort.trains_in_closed_form`)
+    trains with :func:`~fedprivacy.client.sparse_cohort.train_sparse_cohort` in chunks of about
+    :data:`SPARSE_CHUNK_EXAMPLES` examples, on ``threads`` threads (its chunks only read the model;
+    its kernels release the GIL); the replies still come in chunk order, so the result does not
+    depend on the threads. Dense models train with :func:`train_cohort` in chunks of
+    :func:`chunk_size` clients, one after another (``functional_call`` swaps the model's parameters
+    while it runs, so two chunks cannot share the model).
+    """
+
+    def __init__(self, cfg: RunConfig, task: Task, model: torch.nn.Module, threads: int = 1) -> None:
         """``model``: the task's model, a working copy that each round's broadcast is loaded into."""
         self.cfg, self.task, self.model = cfg, task, model
-        self.chunk = chunk_size(self.model)
+        self.sparse = trains_in_closed_form(task, model)
+        self.chunk = SPARSE_CHUNK_EXAMPLES if self.sparse else chunk_size(self.model)
+        self.threads = threads if self.sparse else 1
         self._loaded = None  # the broadcast record the model holds
 
     @staticmethod
@@ -103,13 +144,7 @@ class CohortTrainer:
                                       and "lookahead" not in m.content.array_records for m in messages)
 
     def replies(self, messages: Sequence[Message]) -> Iterator[Message]:
-        """The ClientApp's reply to each message, trained in :func:`chunks_by_size` of ``self.chunk``."""
-        data = [self.task.client_data(m.metadata.dst_node_id - 2) for m in messages]
-        for part in chunks_by_size([len(labels) for _, labels in data], self.chunk):
-            yield from self._train([messages[i] for i in part], [data[i] for i in part])
-
-    def _train(self, messages: Sequence[Message], data: Sequence[tuple[Any, Any]]) -> list[Message]:
-        c = self.cfg
+        """The ClientApp's reply to each message, trained in chunks (the class docstring), chunk by chunk."""
         record = messages[0].content["arrays"]
         if any(m.content["arrays"] is not record for m in messages):
             raise ValueError("a cohort's train messages carry different broadcasts")
@@ -117,12 +152,37 @@ class CohortTrainer:
             if not load_record_(self.model, record):
                 raise ValueError("broadcast arrays do not match the model's parameters")
             self._loaded = record
+        data = [self.task.client_data(m.metadata.dst_node_id - 2) for m in messages]
+        sizes = [len(labels) for _, labels in data]
+        parts = chunks_by_examples(sizes, self.chunk) if self.sparse else chunks_by_size(sizes, self.chunk)
+        jobs = [functools.partial(self._train, [messages[i] for i in part], [data[i] for i in part]) for part in parts]
+        if self.threads == 1:
+            for job in jobs:
+                yield from job()
+            return
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="fedprivacy-cohort") as pool:
+            try:
+                ahead: deque[Future[list[Message]]] = deque()
+                for job in jobs:  # at most 2 chunks per thread trained and not yet replied: bounded memory
+                    ahead.append(pool.submit(job))
+                    if len(ahead) > 2 * self.threads:
+                        yield from ahead.popleft().result()
+                while ahead:
+                    yield from ahead.popleft().result()
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _train(self, messages: Sequence[Message], data: Sequence[tuple[Any, Any]]) -> list[Message]:
+        c = self.cfg
         partitions = [m.metadata.dst_node_id - 2 for m in messages]
         rounds = [int(m.content["config"]["server-round"]) for m in messages]
-        results = train_cohort(self.model, data, epochs=c.client.epochs,
-                               batch_size=c.client.batch_size, lr=c.client.lr,
-                               rngs=[client_generator(c.seed, r, p) for r, p in zip(rounds, partitions)],
-                               loss_fn=self.task.loss)
+        rngs = [client_generator(c.seed, r, p) for r, p in zip(rounds, partitions)]
+        if self.sparse:
+            results = train_sparse_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
+                                          lr=c.client.lr, rngs=rngs)
+        else:
+            results = train_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
+                                   lr=c.client.lr, rngs=rngs, loss_fn=self.task.loss)
         return [Message(RecordDict({"arrays": update_to_record(r.update),
                                     "metrics": MetricRecord({"train_loss": r.train_loss,
                                                              "num-examples": r.num_examples})}), reply_to=m)
@@ -133,16 +193,20 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
     """The run's :class:`CohortTrainer`, or ``None`` to train one client at a time.
 
     ``cohort_batching``: ``off``, ``None``; ``on``, a trainer, or :class:`ConfigError` naming what
-    prevents it; ``auto``, a trainer when supported, the model has at most :data:`AUTO_MAX_PARAMETERS`
-    parameters, it is not the next-word LSTM and ``privacy.expected_cohort`` is at least
-    :data:`AUTO_MIN_COHORT` (module docstring), else ``None``.
+    prevents it; ``auto``, a trainer when supported and either the task trains the sparse model in
+    closed form (the tag task: faster at every cohort measured, module docstring) or the model has
+    at most :data:`AUTO_MAX_PARAMETERS` parameters, it is not the next-word LSTM and
+    ``privacy.expected_cohort`` is at least :data:`AUTO_MIN_COHORT`, else ``None``. The trainer's
+    threads: :func:`~fedprivacy.engines.processes.run_processes`.
     """
     if cfg.cohort_batching == "off":
         return None
     task = load_task(cfg.data)
-    reason = config_obstacle(cfg, task)  # before building a model: the default tag run stops here
+    reason = config_obstacle(cfg, task)  # before building a model
     if reason is None:
         model = task.new_model(cfg.device)
+        if trains_in_closed_form(task, model):
+            return _announce(CohortTrainer(cfg, task, model, threads=run_processes(cfg)))
         reason = unsupported_reason(model, *task.client_data(0))
         if reason is None:
             if cfg.cohort_batching == "auto" and not _auto_chooses(cfg, model):
@@ -153,9 +217,15 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
             raise ConfigError(f"cohort_batching='on' is not possible here: {reason}")
         log.info("training clients one at a time: %s", reason)
         return None
-    trainer = CohortTrainer(cfg, task, model)
-    log.info("training cohorts together, %d clients per batched step (cohort_batching=%s)", trainer.chunk,
-             cfg.cohort_batching)
+    return _announce(CohortTrainer(cfg, task, model))
+
+
+def _announce(trainer: CohortTrainer) -> CohortTrainer:
+    """Log how the run's cohorts train; return ``trainer``."""
+    size = (f"chunks of about {trainer.chunk} examples" if trainer.sparse
+            else f"{trainer.chunk} clients per batched step")
+    log.info("training cohorts together, %s, on %d thread(s) (cohort_batching=%s)", size, trainer.threads,
+             trainer.cfg.cohort_batching)
     return trainer
 
 

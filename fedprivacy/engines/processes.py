@@ -51,8 +51,12 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from flwr.app import Error, Message, RecordDict
+
+if TYPE_CHECKING:
+    from fedprivacy.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,14 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
         return os.cpu_count() or 1
+
+
+def run_processes(cfg: RunConfig) -> int:
+    """The cores a run's clients use: ``cfg.processes``, or when it is ``None`` every usable core for
+    the in-process engine on the CPU (:func:`usable_cores`), else 1."""
+    if cfg.processes is not None:
+        return cfg.processes
+    return usable_cores() if cfg.engine == "inprocess" and cfg.device == "cpu" else 1
 
 
 def die_with_parent(parent: int) -> None:

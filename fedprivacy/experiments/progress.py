@@ -1,4 +1,6 @@
-"""The sweep's progress display: runs done / total, each active run's round, ETA (rich).
+"""Progress displays (rich): a sweep's runs done / total, each active run's round and the ETA
+(:class:`SweepProgress`); one run's round N of T, elapsed time, ETA, epsilon and last test accuracy
+(:class:`RunProgress`).
 
 Progress is counted in rounds (a finished or skipped run counts all its rounds), so the ETA follows
 the rate at which rounds complete, whatever the mix of run lengths. On a terminal it is a live rich
@@ -7,12 +9,15 @@ display; otherwise (logs, CI) one line per finished run.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
@@ -79,3 +84,78 @@ class SweepProgress:
             self.progress.console.print(text, highlight=False, markup=False)
         else:
             print(text, file=sys.stderr, flush=True)
+
+
+class RunProgress:
+    """One run's progress (``fedprivacy run``): round N of T, elapsed time, ETA, the current epsilon and
+    the last test accuracy; a context manager whose :meth:`round_done` is the run's ``on_round``.
+
+    ``mode``: ``live`` (a rich display, which the log lines print above), ``lines`` (one plain line
+    on stderr for the first and the last round and at most every ``every_s`` seconds between; for
+    logs and CI), ``off``; ``None``: ``live`` on a terminal, else ``lines``. The ETA is the mean
+    wall time per round so far in this process (from :meth:`__enter__`, so start-up counts in the
+    first round) times the rounds left: :math:`\\hat t = (t - t_0) (T - N) / (N - N_0)`, where
+    :math:`N_0` rounds were done before (a resumed run).
+    """
+
+    def __init__(self, rounds: int, accountant: str, mode: str | None = None, console: Console | None = None,
+                 every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.console = console or Console(stderr=True)
+        self.mode = mode or ("live" if self.console.is_terminal else "lines")
+        self.rounds, self.accountant, self.every_s, self.clock = rounds, accountant, every_s, clock
+        self.accuracy = math.nan
+        self._started = self._printed = 0.0
+        self._first: int | None = None  # rounds done before this process's first round
+        self._handlers: list[tuple[logging.Handler, logging.Handler]] = []
+        self.progress = Progress(TextColumn("round"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+                                 console=self.console, disable=self.mode != "live")
+        self.task = self.progress.add_task("run", total=rounds, status="")
+
+    def __enter__(self) -> RunProgress:
+        self._started = self.clock()
+        if self.mode == "live":  # log lines through the display's console, above it (a plain handler would tear it)
+            root = logging.getLogger()
+            for old in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+                new = RichHandler(console=self.console, show_path=False, show_level=False, log_time_format="%H:%M:%S")
+                new.setLevel(old.level)
+                root.removeHandler(old)
+                root.addHandler(new)
+                self._handlers.append((old, new))
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+        root = logging.getLogger()
+        for old, new in self._handlers:
+            root.removeHandler(new)
+            root.addHandler(old)
+        self._handlers = []
+
+    def round_done(self, round_: int, row: dict[str, float]) -> None:
+        """Round ``round_`` is recorded with metrics ``row`` (``epsilon_<accountant>``, and ``test_accuracy``
+        in the rounds that evaluate)."""
+        now = self.clock()
+        if self._first is None:
+            self._first = round_ - 1
+        accuracy = row.get("test_accuracy", math.nan)
+        if accuracy == accuracy:
+            self.accuracy = accuracy
+        epsilon = row.get(f"epsilon_{self.accountant}", math.nan)
+        status = f"eps({self.accountant}) {epsilon:.3f}, test accuracy " + (
+            f"{self.accuracy:.4f}" if self.accuracy == self.accuracy else "-")
+        if self.mode == "live":
+            self.progress.update(self.task, completed=round_, status=status)
+        elif self.mode == "lines" and (round_ in (self._first + 1, self.rounds) or now - self._printed >= self.every_s):
+            self._printed = now
+            elapsed = now - self._started
+            eta = elapsed / (round_ - self._first) * max(self.rounds - round_, 0)
+            print(f"round {round_}/{self.rounds} | elapsed {_clock_time(elapsed)} | ETA {_clock_time(eta)} | {status}",
+                  file=self.console.file, flush=True)
+
+
+def _clock_time(seconds: float) -> str:
+    """``H:MM:SS`` (rounded to the second)."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

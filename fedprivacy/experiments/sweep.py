@@ -14,7 +14,9 @@ same study therefore continues an interrupted sweep. A study whose runs' configs
 ``study.json`` was written is refused (:class:`StudyChangedError`); new runs (an extra seed, method
 or grid value) are added.
 
-Workers are ``spawn``-ed processes (no state shared with the parent; torch uses one thread each).
+Workers are ``spawn``-ed processes (no state shared with the parent; torch uses one thread each). A
+run that would use every core (``processes: null``, the default) gets its share of them instead
+(:func:`cores_per_run`): ``jobs`` runs on ``usable_cores() // jobs`` cores each (at least one).
 When the runs use CUDA, each worker sees one GPU (``CUDA_VISIBLE_DEVICES``: worker ``i`` the
 ``i mod n``-th of ``n``, :func:`fedprivacy.devices.worker_gpus`) and there is one worker per GPU by default.
 Data are generated and the preprocessing cache is filled in the parent first, so workers never race
@@ -43,7 +45,7 @@ from typing import Any
 
 from fedprivacy.config import RunConfig, config_differences, config_from_json
 from fedprivacy.devices import worker_gpus
-from fedprivacy.engines.processes import die_with_parent, usable_cores
+from fedprivacy.engines.processes import die_with_parent, run_processes, usable_cores
 from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
 from fedprivacy.locks import FolderBusyError, locked
@@ -299,6 +301,15 @@ def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: boo
         return result
 
 
+def cores_per_run(cfg: RunConfig, jobs: int) -> RunConfig:
+    """``cfg`` with ``processes`` set to its share of the cores, ``max(1, usable_cores() // jobs)``,
+    when it would use every core (``processes: null`` on the in-process CPU engine): ``jobs`` runs at
+    once then never ask for more cores than there are. A run that names its ``processes`` keeps them."""
+    if cfg.processes is not None or run_processes(cfg) == 1:
+        return cfg
+    return cfg.model_copy(update={"processes": max(1, usable_cores() // jobs)})
+
+
 def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec], jobs: int, result: SweepResult,
                   show_progress: bool | None, target: Callable[[str, str], dict[str, Any]] = execute,
                   gpus: list[str] | None = None) -> None:
@@ -330,7 +341,8 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
             while queue or running:
                 while queue and idle:
                     spec, pool = queue.pop(), idle.pop()
-                    running[pool.submit(target, spec.run_id, spec.config.to_json())] = (spec.run_id, pool)
+                    running[pool.submit(target, spec.run_id, cores_per_run(spec.config, jobs).to_json())] = (
+                        spec.run_id, pool)
                 while not events.empty():
                     _, rid = events.get()
                     progress.started(rid, rounds_logged(run_dir(study, rid)))

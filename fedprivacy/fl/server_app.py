@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -180,8 +181,12 @@ class DPFedAvgServer:
     round's draws are made, so it runs on a second core during that round's tail and this round's
     clients; off only for servers that change the mechanism mid-round (the audit's broken variants)."""
 
-    def __init__(self, cfg: RunConfig, task: Task) -> None:
+    def __init__(self, cfg: RunConfig, task: Task,
+                 on_round: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        """``on_round(round, metrics row)``, if given, is called after each round is recorded (e.g. a
+        progress display)."""
         cfg = resolve_noise_multiplier(cfg, task.population)
+        self.on_round = on_round
         self.cfg = cfg
         self.task = task
         p = cfg.privacy
@@ -376,6 +381,8 @@ class DPFedAvgServer:
         log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", self.round, int(row["cohort_sampled"]), accountant,
                  row[f"epsilon_{accountant}"], row["seconds"],
                  f", test accuracy {accuracy:.4f}" if accuracy == accuracy else "")
+        if self.on_round is not None:
+            self.on_round(self.round, row)
 
     def _refresh_side_information(self) -> None:
         """AdaDPS: rebuild the public ``A`` at the released ``x_t`` when its schedule says so."""
@@ -482,8 +489,10 @@ class _Replies:
     dropped: int = 0
 
 
-def build_server_app(cfg: RunConfig | None = None, resume: bool = False) -> ServerApp:
-    """A ServerApp bound to ``cfg``, or reading it from Flower's run config when ``cfg`` is None."""
+def build_server_app(cfg: RunConfig | None = None, resume: bool = False,
+                     on_round: Callable[[int, dict[str, float]], None] | None = None) -> ServerApp:
+    """A ServerApp bound to ``cfg``, or reading it from Flower's run config when ``cfg`` is None;
+    ``on_round`` as in :class:`DPFedAvgServer`."""
     app = ServerApp()
 
     @app.main()
@@ -493,7 +502,7 @@ def build_server_app(cfg: RunConfig | None = None, resume: bool = False) -> Serv
         else:  # `flwr run`: the config comes from the run config, and nothing has prepared the data yet
             run_cfg, run_resume = config_from_context(context)
             ensure_data(run_cfg.data)
-        server = DPFedAvgServer(run_cfg, load_task(run_cfg.data))
+        server = DPFedAvgServer(run_cfg, load_task(run_cfg.data), on_round)
         server.run(grid, resume=run_resume)
 
     return app

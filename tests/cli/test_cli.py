@@ -164,7 +164,7 @@ def test_a_garbage_word_count_file_is_named(small_data, tmp_path, capsys):
 
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_ctrl_c_prints_one_line_with_the_command_that_resumes(tmp_path, capsys, monkeypatch, checkpointed):
-    def interrupted(cfg, resume):
+    def interrupted(cfg, resume, on_round=None):
         if checkpointed:
             (cfg.output_dir / "checkpoint.pt").write_bytes(b"")
         raise KeyboardInterrupt

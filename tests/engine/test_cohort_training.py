@@ -221,13 +221,14 @@ def test_a_model_that_vmap_cannot_run_trains_one_at_a_time_or_is_refused(tmp_pat
 
 
 def test_on_is_refused_where_clients_cannot_be_trained_together(small_config, mlp_task):
-    with pytest.raises(ConfigError, match="cohort_batching='on'.*data.task='tag' trains in closed form"):
-        cohort_trainer(small_config("cohort_batching=on"))
+    with pytest.raises(ConfigError, match="cohort_batching='on'.*trains sparsely on its support"):
+        cohort_trainer(small_config("cohort_batching=on", "data.task=tag_multilabel"))
     with pytest.raises(ConfigError, match="cohort_batching='on'.*client.compression"):
         cohort_trainer(build_config({"cohort_batching": "on", "data": {"task": mlp_task},
                                      "client": {"compression": {"density": 0.5}}}))
     with pytest.raises(ConfigError, match="cohort_batching"):
-        build_config({"cohort_batching": "on", "processes": 2})
+        build_config({"cohort_batching": "on", "engine": "ray"})
+    assert build_config({"cohort_batching": "on", "processes": 2}).processes == 2  # its chunks run on 2 threads
     assert build_config({}, ["cohort_batching=off"]).cohort_batching == "off"  # YAML's boolean off
 
 

@@ -256,3 +256,14 @@ def test_more_processes_than_cores_warn_naming_the_field_and_the_cores(monkeypat
         pass
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "processes=2" in warning and "1 CPU cores" in warning
+
+
+def test_a_run_uses_every_usable_core_unless_told_otherwise(monkeypatch):
+    from fedprivacy.config import build_config
+    from fedprivacy.engines.processes import run_processes
+
+    monkeypatch.setattr(processes, "usable_cores", lambda: 6)
+    assert run_processes(build_config({})) == 6
+    assert run_processes(build_config({"processes": 1})) == 1
+    assert run_processes(build_config({"engine": "ray"})) == 1
+    assert run_processes(build_config({"device": "cuda"})) == 1

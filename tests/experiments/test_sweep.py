@@ -188,3 +188,18 @@ def test_a_run_with_a_corrupt_checkpoint_fails_alone_naming_the_file(tiny_study,
     monkeypatch.setattr(sweep, "_log_to", lambda path: None)  # keep this process's logging as it is
     outcome = sweep.execute(spec.run_id, spec.config.to_json())
     assert outcome["status"] == "failed" and f"{folder / 'checkpoint.pt'} is not a readable checkpoint" in outcome["error"]
+
+
+def test_runs_that_would_use_every_core_share_them_between_the_jobs(monkeypatch):
+    from fedprivacy.config import build_config
+    from fedprivacy.engines import processes
+    from fedprivacy.experiments.sweep import cores_per_run
+
+    monkeypatch.setattr(processes, "usable_cores", lambda: 8)
+    monkeypatch.setattr(sweep, "usable_cores", lambda: 8)
+    every_core = build_config({})
+    assert every_core.processes is None and processes.run_processes(every_core) == 8
+    assert [cores_per_run(every_core, jobs).processes for jobs in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert cores_per_run(build_config({"processes": 3}), 2).processes == 3  # named: kept
+    assert cores_per_run(build_config({"engine": "ray"}), 2).processes is None  # not the in-process CPU engine
+    assert cores_per_run(every_core, 2).model_copy(update={"processes": None}) == every_core  # nothing else changes

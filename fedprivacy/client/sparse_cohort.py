@@ -1,0 +1,172 @@
+"""Local SGD of many clients of the sparse logistic-regression model at once (the tag task's cohort path).
+
+Every client of a round starts from the same broadcast :math:`(b, W)` and runs the closed-form
+softmax SGD of :func:`fedprivacy.client.trainer.local_sgd` on its own rows (McMahan et al. 2017,
+arXiv:1602.05629v4, Alg. 1). Client :math:`i` reads and changes only its support rows
+:math:`S_i` (row 0 the bias, row :math:`1 + w` the weights of each word :math:`w` in its posts:
+:meth:`~fedprivacy.models.logistic.SparseLogisticRegression.support_blocks`). Here the clients'
+rows are laid one after another in ONE matrix :math:`X = [x_1; \\dots; x_C]`, client :math:`i`'s
+rows at offset :math:`o_i` (:math:`x_i^{(0)} = (b, W)[S_i]`, gathered once), so step :math:`j` of
+every client still training is one batched computation over the union of their batches:
+
+.. math:: z_r = \\textstyle\\sum_{k} v_{rk}\\, X[o_{c(r)} + 1 + \\ell_{rk}] + X[o_{c(r)}], \\qquad
+          G_r = (\\operatorname{softmax}(z_r) - e_{y_r}) / B_{c(r), j},
+
+.. math:: X[o_i] \\leftarrow X[o_i] - \\eta \\textstyle\\sum_{r: c(r) = i} G_r, \\qquad
+          X[o_i + 1 + \\ell] \\leftarrow X[o_i + 1 + \\ell] - \\eta \\textstyle\\sum_{(r,k): \\ell_{rk} = \\ell} v_{rk} G_r
+
+for batch rows :math:`r` of client :math:`c(r)` with stored values :math:`v_{rk}` at local word
+positions :math:`\\ell_{rk}`, labels :math:`y_r` and batch size :math:`B_{c(r), j}` (each epoch's
+last batch may be short). The clients' rows are disjoint, so these are exactly each client's own
+steps: the one-at-a-time gradient of the batch mean cross-entropy, made of one ``embedding_bag``,
+one softmax and one sparse-dense ``addmm`` for all of them instead of per client (the per-step
+dispatch cost, which dominates a 10-post batch, is paid once per step); the bias is one more
+stored value of every post (its row :math:`o_{c(r)}`, value 1), so both sums above are in the same
+two calls. The
+update is :math:`\\Delta_i = x_i^{(s_i)} - x_i^{(0)}`, block-sparse over :math:`S_i`, equal to the
+one-at-a-time delta within float rounding (that path accumulates :math:`\\Delta` itself and reads
+:math:`x_t` at every step; the sums run in another order). Each client's batch order comes from its
+own generator (``rngs[i]``: one ``permutation`` per epoch, as ``local_sgd`` draws it), so the
+batches are the same. A client with no step :math:`j` (it has fewer posts) has no rows in step
+:math:`j` and is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from fedprivacy.client.cohort_training import _batch_indices
+from fedprivacy.client.trainer import LocalResult
+from fedprivacy.models.logistic import LocalRows, SparseLogisticRegression
+from fedprivacy.privacy.aggregation import SparseUpdate
+
+
+def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple[sp.csr_matrix, np.ndarray]], *,
+                        epochs: int, batch_size: int, lr: float,
+                        rngs: Sequence[np.random.Generator]) -> list[LocalResult]:
+    """``local_sgd(model, *clients[i], rng=rngs[i], ...)`` (closed-form softmax path, from the model's
+    weights) for every client, trained together (module docstring); one :class:`LocalResult` per
+    client, in order, equal to the one-at-a-time result within float rounding. ``model`` is only read."""
+    if not clients:
+        return []
+    bias, weight = model.start_point()
+    device = bias.device
+    supports = [model.support_blocks(features) for features, _ in clients]
+    sizes = np.array([len(blocks) for blocks, _ in supports])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # o_i: client i's bias row in X
+    counts = np.array([len(labels) for _, labels in clients])
+    x = _start_rows(bias, weight, torch.cat([blocks for blocks, _ in supports]), starts)
+    start = x.clone()
+    plan = _Plan.build([local for _, local in supports], starts, counts, rngs, epochs, batch_size,
+                       np.concatenate([np.asarray(y, dtype=np.int64) for _, y in clients]), device)
+    picked = torch.empty(len(plan.owner), 1, dtype=x.dtype, device=device)  # each row's softmax(z)_y, in step order
+    minus_one = torch.full((int(np.diff(plan.row_at).max(initial=0)), 1), -1.0, dtype=x.dtype, device=device)
+    for j in range(len(plan.row_at) - 1):
+        r0, r1, k0, k1 = plan.row_at[j], plan.row_at[j + 1], plan.nnz_at[j], plan.nnz_at[j + 1]
+        columns = plan.indices[0, k0:k1]
+        logits = torch.nn.functional.embedding_bag(columns, x, plan.offsets[r0:r1], mode="sum",
+                                                   per_sample_weights=plan.values[k0:k1])
+        p = torch.softmax(logits, dim=1)
+        at = plan.labels[r0:r1, None]
+        torch.gather(p, 1, at, out=picked[r0:r1])
+        p.scatter_add_(1, at, minus_one[:r1 - r0])  # softmax(z) - e_y; the 1 / B is in the backward's values
+        xt = torch.sparse_coo_tensor(plan.indices[:, k0:k1], plan.scaled[k0:k1], (len(x), r1 - r0),
+                                     check_invariants=False)
+        torch.addmm(x, xt, p, alpha=-lr, out=x)
+    x.sub_(start)
+    losses = picked.squeeze(1).log_().neg_().double()  # the rows' cross-entropies
+    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(0, plan.owner, losses).tolist()
+    dim = sum(p.numel() for p in model.parameters())
+    results = []
+    for i, (blocks, _) in enumerate(supports):
+        examples = int(counts[i]) * epochs
+        results.append(LocalResult(update=SparseUpdate(blocks, x[starts[i]:starts[i] + sizes[i]], dim),
+                                   train_loss=loss_sums[i] / examples if examples else 0.0,
+                                   num_examples=int(counts[i])))
+    return results
+
+
+class _Plan:
+    """Every step's batches of every client, laid out before training (one pass in numpy).
+
+    The batch rows of step ``j`` are ``row_at[j]:row_at[j + 1]`` (client by client); their stored
+    values ``nnz_at[j]:nnz_at[j + 1]``. Each row carries its client's bias as one more stored value
+    (column ``o_i``, value 1), so a row's logit is one ``embedding_bag`` sum over ``X``, and the bias
+    gradient comes out of the same ``addmm`` as the weights'. ``indices`` = (row of X, the value's
+    row within its step), ``values`` the forward's weights, ``scaled`` the backward's (divided by
+    the row's batch size: the mean's ``1 / B``), ``offsets`` each row's first value within its step, ``labels`` and
+    ``owner`` (the client) per row.
+    """
+
+    def __init__(self, **arrays: torch.Tensor | np.ndarray) -> None:
+        self.__dict__.update(arrays)
+
+    @classmethod
+    def build(cls, locals_: Sequence[LocalRows], starts: np.ndarray, counts: np.ndarray,
+              rngs: Sequence[np.random.Generator], epochs: int, batch_size: int, labels: np.ndarray,
+              device: torch.device) -> _Plan:
+        rows_base = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        steps = [_batch_indices(rng, int(n), epochs, batch_size) for rng, n in zip(rngs, counts)]
+        total = max(len(s) for s in steps)
+        table = np.full((total, len(counts), batch_size), -1, dtype=np.int64)  # (step, client, slot) -> joint row
+        for i, (s, n) in enumerate(zip(steps, counts)):
+            per_epoch = len(s) // epochs if epochs else 0
+            valid = np.arange(batch_size)[None, :] < _step_sizes(int(n), per_epoch, epochs, batch_size)[:, None]
+            table[:len(s), i] = np.where(valid, s + rows_base[i], -1)
+        valid = table >= 0
+        rows = table[valid]  # step-major, client by client
+        row_at = np.concatenate([[0], np.cumsum(valid.sum((1, 2)))])
+        batch = valid.sum(2)[valid.any(2)]  # each (step, client) batch's size, in the order of ``rows``
+        per_row_batch = np.repeat(batch, batch)
+        owner_of_joint = np.repeat(np.arange(len(counts)), counts)
+        owner = owner_of_joint[rows]
+        nnz = np.array([len(r.values) for r in locals_])
+        value_base = np.concatenate([[0], np.cumsum(nnz)[:-1]])
+        indptr = np.concatenate([[0]] + [r.indptr[1:] + b for r, b in zip(locals_, value_base)])
+        columns = np.concatenate([r.columns + 1 + s for r, s in zip(locals_, starts)])  # rows of X
+        values = np.concatenate([r.values for r in locals_])
+        first, length = indptr[rows], indptr[rows + 1] - indptr[rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(length + 1, out=offsets[1:])  # + 1: the bias value leads each row
+        row_of = np.repeat(np.arange(len(rows)), length + 1)
+        position = np.arange(offsets[-1]) - offsets[row_of]  # 0: the bias; k: the row's k-th stored value
+        source = first[row_of] + position - 1
+        bias = position == 0
+        col = np.where(bias, starts[owner][row_of], columns[np.where(bias, 0, source)])
+        val = np.where(bias, np.float32(1.0), values[np.where(bias, 0, source)]).astype(np.float32)
+        step_of_row = np.repeat(np.arange(total), np.diff(row_at))
+        local_row = row_of - row_at[step_of_row][row_of]
+        nnz_at = offsets[row_at]
+        offsets = offsets[:-1] - nnz_at[step_of_row]  # each row's first value within its step
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        return cls(row_at=row_at.tolist(), nnz_at=nnz_at.tolist(), offsets=as_tensor(offsets),
+                   indices=as_tensor(np.stack([col, local_row])), values=as_tensor(val),
+                   scaled=as_tensor(val / per_row_batch[row_of].astype(np.float32)),
+                   labels=as_tensor(labels[rows]), owner=as_tensor(owner))
+
+
+def _start_rows(bias: torch.Tensor, weight: torch.Tensor, blocks: torch.Tensor, bias_rows: np.ndarray) -> torch.Tensor:
+    """The starting point's rows ``blocks`` of the ``(1 + V, K)`` layout (block 0 the bias, block ``1 + w``
+    word ``w``), the clients' blocks one after another, their bias blocks at ``bias_rows``: one gather."""
+    rows = weight.index_select(0, (blocks - 1).clamp_(min=0))  # a bias block reads word 0's row here ...
+    rows[torch.from_numpy(bias_rows).to(rows.device)] = bias  # ... and is overwritten with the bias
+    return rows
+
+
+def _step_sizes(n: int, per_epoch: int, epochs: int, batch_size: int) -> np.ndarray:
+    """Each of a client's steps' batch size: ``batch_size``, but each epoch's last is what is left of ``n``."""
+    size = np.full(per_epoch, batch_size)
+    if per_epoch:
+        size[-1] = n - (per_epoch - 1) * batch_size
+    return np.tile(size, epochs)
+
+
+def trains_in_closed_form(task: object, model: torch.nn.Module) -> bool:
+    """Whether ``task``'s clients train ``model`` with the closed-form softmax SGD on their support rows
+    (``local_sgd`` without a loss function: the task says ``closed_form_softmax``, the model has
+    ``support_blocks``), which :func:`train_sparse_cohort` batches."""
+    return bool(getattr(task, "closed_form_softmax", False)) and hasattr(model, "support_blocks")

@@ -1,0 +1,90 @@
+"""The tag model's clients trained together (issue 33): equal to one-at-a-time local SGD within float rounding."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedprivacy.client.sparse_cohort import train_sparse_cohort
+from fedprivacy.client.trainer import client_generator, local_sgd
+from fedprivacy.engines import cohorts
+from fedprivacy.engines.cohorts import chunks_by_examples, cohort_trainer
+from fedprivacy.run import run
+from fedprivacy.task import load_task
+
+
+def _random_start(model):
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_clients_trained_together_equal_local_sgd_one_at_a_time(small_config, epochs):
+    task = load_task(small_config().data)
+    model = _random_start(task.new_model())
+    before = [p.detach().clone() for p in model.parameters()]
+    clients = list(range(12))
+    data = [task.client_data(c) for c in clients]
+    sizes = [len(y) for _, y in data]
+    assert min(sizes) < 10 and max(sizes) > 30  # users shorter than one batch and users with many steps
+    kw = dict(epochs=epochs, batch_size=10, lr=2.0)
+    together = train_sparse_cohort(model, data, rngs=[client_generator(0, 7, c) for c in clients], **kw)
+    for c, (features, labels), mine in zip(clients, data, together):
+        alone = local_sgd(model, features, labels, rng=client_generator(0, 7, c), **kw)
+        assert torch.equal(mine.update.indices, alone.update.indices)
+        assert mine.update.dim == alone.update.dim
+        torch.testing.assert_close(mine.update.values, alone.update.values, rtol=1e-5, atol=1e-5)
+        assert mine.train_loss == pytest.approx(alone.train_loss, rel=1e-5)
+        assert mine.num_examples == alone.num_examples
+        assert alone.update.values.abs().max() > 0.01  # they trained
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)  # the model is only read
+
+
+def test_a_client_trained_with_others_equals_it_trained_alone(small_config):
+    """Each client's rows are its own: the others in its chunk change nothing but the float rounding."""
+    task = load_task(small_config().data)
+    model = _random_start(task.new_model())
+    data = [task.client_data(c) for c in range(5)]
+    kw = dict(epochs=2, batch_size=10, lr=2.0)
+    together = train_sparse_cohort(model, data, rngs=[client_generator(0, 1, c) for c in range(5)], **kw)
+    alone = train_sparse_cohort(model, data[2:3], rngs=[client_generator(0, 1, 2)], **kw)[0]
+    torch.testing.assert_close(together[2].update.values, alone.update.values, rtol=1e-6, atol=1e-6)
+
+
+def test_chunks_by_examples_close_at_the_budget_largest_first():
+    assert chunks_by_examples([5, 50, 1, 30, 20], 40) == [[1], [3, 4], [0, 2]]
+    assert chunks_by_examples([5, 5], 100) == [[0, 1]]
+    assert chunks_by_examples([], 10) == []
+
+
+def test_a_tag_run_trained_together_matches_one_at_a_time_on_any_number_of_threads(small_config, tmp_path,
+                                                                                    monkeypatch):
+    trained = []
+
+    def counting(model, clients, **kw):
+        trained.append(len(clients))
+        return train_sparse_cohort(model, clients, **kw)
+
+    monkeypatch.setattr(cohorts, "train_sparse_cohort", counting)
+    monkeypatch.setattr(cohorts, "SPARSE_CHUNK_EXAMPLES", 100)  # several chunks per round, in flight at once
+    runs = {}
+    for mode, processes in (("auto", 1), ("auto", 2), ("off", 1)):
+        name = f"{mode}{processes}"
+        cfg = small_config(f"cohort_batching={mode}", f"processes={processes}", f"output_dir={tmp_path / name}",
+                           "rounds=3", "client.epochs=2")
+        assert (cohort_trainer(cfg) is None) == (mode == "off")
+        runs[name] = run(cfg)
+    sampled = pd.read_csv(tmp_path / "auto1" / "metrics.csv")["cohort_sampled"].astype(int).sum()
+    assert sum(trained) == 2 * sampled and len(trained) > 6  # both auto runs' clients, in chunks
+    final = {name: torch.load(tmp_path / name / "final_model.pt") for name in runs}
+    initial = torch.load(tmp_path / "off1" / "initial_model.pt")
+    for name in final["off1"]:
+        assert torch.equal(final["auto1"][name], final["auto2"][name])  # threads: bit-identical
+        torch.testing.assert_close(final["auto1"][name], final["off1"][name], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(final["off1"][name], initial[name])
+    assert runs["auto1"]["epsilon_rdp"] == runs["off1"]["epsilon_rdp"]
+    assert runs["auto1"]["test_accuracy"] == pytest.approx(runs["off1"]["test_accuracy"], abs=1e-2)
