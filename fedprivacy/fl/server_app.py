@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
