@@ -1,7 +1,11 @@
 """Mutation check of the Hardening II and resumable-strategy privacy fixes: each fix is broken in turn and
 the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
 (about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
-import subprocess, sys, pathlib
+
+import pathlib
+import subprocess
+import sys
+
 MUTATIONS = [
  ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.event())\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
  ("fedprivacy/privacy/client_ledgers.py", "        if record_level:\n            try:", "        if True:\n            try:", "tests/engine/test_strategy.py -k without_record_level"),
@@ -22,12 +26,13 @@ MUTATIONS = [
  ("fedprivacy/fl/strategy_state.py", "        if changed:", "        if False:", "tests/engine/test_strategy_state.py -k changed_settings"),
 ]
 for path, old, new, test in MUTATIONS:
-    p = pathlib.Path(path); src = p.read_text()
+    p = pathlib.Path(path)
+    src = p.read_text()
     assert src.count(old) == 1, (path, old)
     p.write_text(src.replace(old, new))
     try:
-        r = subprocess.run(f".venv/bin/python -m pytest -q -x -p no:cacheprovider {test}", shell=True, capture_output=True, text=True, timeout=900)
-        out = r.stdout + r.stderr
-        print(("RED  " if r.returncode != 0 else "GREEN") , path, repr(old[:60]), "->", test, flush=True)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *test.split()],
+                           capture_output=True, text=True, timeout=900)
+        print("RED  " if r.returncode != 0 else "GREEN", path, repr(old[:60]), "->", test, flush=True)
     finally:
         p.write_text(src)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fedprivacy.experiments.report import write_report
 from fedprivacy.experiments.study import StudyConfig, expand, load_study
 from fedprivacy.experiments.sweep import SweepResult, run_sweep

@@ -50,9 +50,9 @@ def client_noise_mod(*, placement: Placement, noise_multiplier: float, clip_norm
         reply = call_next(msg, context)
         if msg.metadata.message_type != "train" or reply.has_error():
             return reply
-        sent = float32_arrays(msg.content["arrays"])
+        sent = float32_arrays(msg.content.array_records["arrays"])
         start = arrays_to_vector(sent)
-        update = arrays_to_vector(float32_arrays(reply.content["arrays"])) - start
+        update = arrays_to_vector(float32_arrays(reply.content.array_records["arrays"])) - start
         privatize_upload_(update, clip_norm, std, GaussianNoise(0, secure=True))
         content = RecordDict({"arrays": arrays_to_record(vector_to_arrays(start + update, sent))})
         event = {k: v for k, v in (reply.content.metric_records.get("metrics") or {}).items()
@@ -85,8 +85,8 @@ def topk_uplink_mod(*, density: float, clip_norm: float, quantization: str = "no
         reply = call_next(msg, context)
         if msg.metadata.message_type != "train" or reply.has_error():
             return reply
-        sent = float32_arrays(msg.content["arrays"])
-        delta = arrays_to_vector(float32_arrays(reply.content["arrays"])) - arrays_to_vector(sent)
+        sent = float32_arrays(msg.content.array_records["arrays"])
+        delta = arrays_to_vector(float32_arrays(reply.content.array_records["arrays"])) - arrays_to_vector(sent)
         held = context.state.array_records.get(RESIDUAL_KEY)
         residual = None if held is None else Residual.from_arrays(record_to_arrays(held))
         out = compress(SparseUpdate.dense(delta), residual, density=density, clip_norm=clip_norm,

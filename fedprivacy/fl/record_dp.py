@@ -213,7 +213,7 @@ def make_record_dp(model: nn.Module, optimizer: torch.optim.Optimizer, data_load
         raise ValueError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
     if target_delta is not None and not 0 < target_delta < 1:
         raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}")
-    population = len(data_loader.dataset)
+    population = len(data_loader.dataset)  # type: ignore[arg-type]  # a map-style dataset has a length
     if population == 0:
         raise ValueError("data_loader.dataset is empty: record-level DP needs at least one record")
     delta = client_delta(population, target_delta, delta_factor)
@@ -235,8 +235,6 @@ def make_record_dp(model: nn.Module, optimizer: torch.optim.Optimizer, data_load
 def _generators(seed: int | None, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
     """The noise generator (on ``device``) and the CPU sampling generator: from ``seed``'s two
     ``SeedSequence`` children, or each from ``secrets`` when ``seed`` is None."""
-    if seed is None:
-        seeds = secrets.randbits(63), secrets.randbits(63)
-    else:
-        seeds = tuple(torch_seed(child) for child in np.random.SeedSequence(seed).spawn(2))
+    seeds = ([secrets.randbits(63), secrets.randbits(63)] if seed is None
+             else [torch_seed(child) for child in np.random.SeedSequence(seed).spawn(2)])
     return torch.Generator(device=device).manual_seed(seeds[0]), torch.Generator().manual_seed(seeds[1])

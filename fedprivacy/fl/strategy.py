@@ -79,9 +79,9 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, reply_content, reply_to_update,
                                    vector_to_arrays)
 from fedprivacy.optim.disk import DiskFilter
-from fedprivacy.optim.factory import make_server_optimizer
+from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
-from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
+from fedprivacy.privacy.accounting import AccountantKind, Sampling, resolve_delta
 from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
@@ -123,7 +123,8 @@ class DPFedAvg(Strategy):
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: str = "poisson", placement: Placement = "central", optimizer: str = "sgd", lr: float = 1.0,
+                 sampling: Sampling = "poisson", placement: Placement = "central", optimizer: OptimizerName = "sgd",
+                 lr: float = 1.0,
                  optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
                  record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
@@ -209,11 +210,12 @@ class DPFedAvg(Strategy):
         nodes = self._population(grid)
         self._sent = float32_arrays(arrays)
         t = self._offset + server_round
-        content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "server-round": t})})
+        settings = ConfigRecord({**config, "server-round": t})
+        content = RecordDict({"arrays": arrays, "config": settings})
         lookahead = self.step.lookahead(arrays_to_vector(self._sent))
-        if lookahead is not None:  # DiSK: x_t + gamma d_{t-1}, a function of released values only
+        if lookahead is not None and self.step.disk is not None:  # DiSK: x_t + gamma d_{t-1}, from released values
             content["lookahead"] = arrays_to_record(vector_to_arrays(lookahead, self._sent))
-            content["config"]["disk-c"] = self.step.disk.c
+            settings["disk-c"] = self.step.disk.c
         self._cohort = {nodes[i] for i in self.mechanism.sample()}
         return [Message(content, dst_node_id=node, message_type="train") for node in sorted(self._cohort)]
 
@@ -245,11 +247,11 @@ class DPFedAvg(Strategy):
         self._sent = vector_to_arrays(x, self._sent)
         if self.state is not None:
             self.state.save(self.settings, {"round": self.round, "arrays": self._sent, **self._state_dict()})
-        metrics = {**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
-                                               for k, v in self.epsilons().items()}}
+        metrics = MetricRecord({**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
+                                                            for k, v in self.epsilons().items()}})
         if len(self.client_ledgers):
             metrics["client_epsilon_max"] = max(self.client_epsilons().values())
-        return arrays_to_record(self._sent), MetricRecord(metrics)
+        return arrays_to_record(self._sent), metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -281,8 +283,7 @@ class DPFedAvg(Strategy):
         self.mechanism.load_state_dict(saved["mechanism"])
         self.client_ledgers.load_state_dict(saved["client_ledgers"])
         self._sent = dict(saved["arrays"])
-        log.info("DPFedAvg: resumed from %s at round %d (%d releases accounted)", self.state.path, self.round,
-                 self.mechanism.ledger.rounds)
+        log.info("DPFedAvg: resumed at round %d (%d releases accounted)", self.round, self.mechanism.ledger.rounds)
         return arrays_to_record(self._sent)
 
     def _population(self, grid: Grid) -> list[int]:

@@ -126,7 +126,9 @@ def second_moments(model: nn.Module, batches: Iterable[tuple[Any, Any]],
         loss_fn(model(x), y).backward()
         decay = (1.0 - 1.0 / count) if estimator == "epoch" or beta is None else beta
         for name, p in params.items():
-            g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            grad = p.grad
+            assert grad is not None, f"{name} has no gradient after backward()"
+            g = grad.to_dense() if grad.is_sparse else grad
             v[name].mul_(decay).addcmul_(g, g, value=1.0 - decay)
     model.zero_grad(set_to_none=True)
     if count == 0:

@@ -108,7 +108,7 @@ def _is_real(x: Any) -> bool:
 
 
 def _is_int(x: Any, minimum: int) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= minimum
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= minimum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +247,7 @@ class PrivacyLedger:
         ledger = cls()
         for i, item in enumerate(state["entries"]):
             kind = item.get("type") if isinstance(item, Mapping) else None
-            if kind not in _ROUND_TYPES:
+            if not isinstance(kind, str) or kind not in _ROUND_TYPES:
                 raise ValueError(f"PrivacyLedger entry {i}: unknown event type {kind!r}; "
                                  f"allowed: {sorted(_ROUND_TYPES)}")
             round_type = _ROUND_TYPES[kind]

@@ -158,11 +158,13 @@ class ClientLedgers:
             client_delta = self.delta(client, delta)
             key = (frozenset(_multiset(ledger).items()), client_delta)
             if key not in memo:
-                memo[key] = float(epsilon(ledger, client_delta, kind))
+                eps = epsilon(ledger, client_delta, kind)
+                assert eps is not None, "client events are Poisson-sampled: every accountant computes them"
+                memo[key] = eps
             out[client] = memo[key]
         return out
 
-    def summary(self, delta: float, kind: AccountantKind) -> dict[str, float | str]:
+    def summary(self, delta: float, kind: AccountantKind) -> dict[str, float | str | None]:
         """Max and median client epsilon (``"inf"`` if infinite), how many clients have one, how many a weak delta."""
         eps = list(self.epsilons(delta, kind).values())
         if not eps:

@@ -38,7 +38,8 @@ from typing import Any, get_args
 import numpy as np
 import torch
 
-from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilons, would_exceed
+from fedprivacy.privacy.accounting import (AccountantKind, GaussianRound, PrivacyLedger, Sampling, epsilons,
+                                           would_exceed)
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
@@ -90,7 +91,7 @@ class GaussianMechanism:
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: str = "poisson", placement: Placement = "central",
+                 sampling: Sampling = "poisson", placement: Placement = "central",
                  adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
                  noise_population: int | None = None, seed: int | None = None,
                  device: str | torch.device = "cpu") -> None:

@@ -72,7 +72,8 @@ class FixedSizeSampler(_Sampler):
         return np.sort(self._rng.choice(self.population, size=self.expected_cohort, replace=False))
 
 
-def make_sampler(kind: str, population: int, expected_cohort: int, seed: int, secure: bool = False) -> _Sampler:
+def make_sampler(kind: str, population: int, expected_cohort: int, seed: int,
+                 secure: bool = False) -> PoissonSampler | FixedSizeSampler:
     """Build the sampler named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``)."""
     samplers = {"poisson": PoissonSampler, "fixed": FixedSizeSampler}
     if kind not in samplers:

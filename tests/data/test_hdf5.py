@@ -12,7 +12,7 @@ import pytest
 
 from fedprivacy.data.hdf5 import SPLIT_FILES, h5_client_ids, iter_h5_client_examples
 from fedprivacy.data.sources import SPLITS, file_identity, open_source
-from fedprivacy.data.stackoverflow import DataFormatError, client_ids, iter_client_examples
+from fedprivacy.data.stackoverflow import DataFormatError, iter_client_examples
 from fedprivacy.data.synthetic import SyntheticFiles
 
 

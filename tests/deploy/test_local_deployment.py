@@ -106,7 +106,7 @@ def test_three_supernodes_three_rounds_tls_auth_matches_in_process(three_users, 
         cfg_toml = dep.home / "config.toml"
         original = cfg_toml.read_text()
         try:  # the same CLI call without TLS must fail against the TLS SuperLink
-            cfg_toml.write_text("\n".join(l for l in original.splitlines() if not l.startswith("root-certificates"))
+            cfg_toml.write_text("\n".join(line for line in original.splitlines() if not line.startswith("root-certificates"))
                                 + "\ninsecure = true\n")
             refused["insecure_cli"] = dep.flwr_cli("supernode", "list", CONNECTION, "--format", "json", timeout=60)
         finally:

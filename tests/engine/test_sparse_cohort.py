@@ -1,6 +1,5 @@
 """The tag model's clients trained together (issue 33): equal to one-at-a-time local SGD within float rounding."""
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch

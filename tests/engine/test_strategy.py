@@ -358,7 +358,6 @@ class _FakeGrid:
 
 
 def _reply(node: int, state: dict) -> Message:
-    from flwr.common import Metadata
 
     msg = Message(RecordDict({"arrays": ArrayRecord(state)}), dst_node_id=node, message_type="train")
     msg.metadata.__dict__["_src_node_id"] = node

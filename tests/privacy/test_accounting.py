@@ -85,7 +85,9 @@ def test_rdp_matches_dp_accounting_on_the_poisson_event(q, z, steps, delta):
 def test_rdp_matches_numerical_integration(order):
     """R(a) = log E_{x~N(0,z^2)}[(1 - q + q exp((2x - 1) / (2 z^2)))^a] / (a - 1) (arXiv:1908.10530, Sec. 3.3)."""
     q, z, steps, delta = 0.1, 2.0, 7, 1e-5
-    density = lambda x: math.exp(-x * x / (2 * z * z)) / (z * math.sqrt(2 * math.pi))
+
+    def density(x: float) -> float:
+        return math.exp(-x * x / (2 * z * z)) / (z * math.sqrt(2 * math.pi))
     moment, _ = integrate.quad(lambda x: density(x) * (1 - q + q * math.exp((2 * x - 1) / (2 * z * z))) ** order,
                                -60, 60, limit=500, epsabs=1e-14, epsrel=1e-13)
     rdp = steps * math.log(moment) / (order - 1)

@@ -36,7 +36,9 @@ def test_calibrated_epsilon_is_within_one_percent_below_target(sampling, populat
                                                                accountant, orders, target):
     z = calibrate_noise_multiplier(target, delta, sampling=sampling, population=population, expected_cohort=cohort,
                                    rounds=rounds, accountant=accountant, rdp_orders=orders)
-    eps = lambda noise: eps_of(noise, rounds, delta, sampling, population, cohort, accountant, orders)
+
+    def eps(noise: float) -> float:
+        return eps_of(noise, rounds, delta, sampling, population, cohort, accountant, orders)
     assert 0.99 * target <= eps(z) <= target
     assert eps(z / 1.05) > target  # nearly the smallest: 5% less noise breaks the budget
     if accountant == "rdp":  # round trip through max_rounds (pld/prv boundaries are tested below)
@@ -79,7 +81,9 @@ def test_max_rounds_is_the_last_round_within_budget(z, sampling, population, coh
     rounds = max_rounds(target, delta, noise_multiplier=z, sampling=sampling, population=population,
                         expected_cohort=cohort, accountant=accountant)
     assert rounds >= 1
-    eps = lambda t: eps_of(z, t, delta, sampling, population, cohort, accountant)
+
+    def eps(t: int) -> float:
+        return eps_of(z, t, delta, sampling, population, cohort, accountant)
     assert eps(rounds) <= target < eps(rounds + 1)
 
 

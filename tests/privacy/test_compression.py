@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from flwr.app import Context, RecordDict
 
 from fedprivacy.client.compression import Residual, compress, flat_coo
 from fedprivacy.client.trainer import client_generator, local_sgd
