@@ -210,12 +210,12 @@ class DPFedAvg(Strategy):
         nodes = self._population(grid)
         self._sent = float32_arrays(arrays)
         t = self._offset + server_round
-        settings = ConfigRecord({**config, "server-round": t})
-        content = RecordDict({"arrays": arrays, "config": settings})
+        round_config = ConfigRecord({**config, "server-round": t})
+        content = RecordDict({"arrays": arrays, "config": round_config})
         lookahead = self.step.lookahead(arrays_to_vector(self._sent))
         if lookahead is not None and self.step.disk is not None:  # DiSK: x_t + gamma d_{t-1}, from released values
             content["lookahead"] = arrays_to_record(vector_to_arrays(lookahead, self._sent))
-            settings["disk-c"] = self.step.disk.c
+            round_config["disk-c"] = self.step.disk.c
         self._cohort = {nodes[i] for i in self.mechanism.sample()}
         return [Message(content, dst_node_id=node, message_type="train") for node in sorted(self._cohort)]
 
