@@ -7,8 +7,9 @@ WITHOUT sampling amplification: a Gaussian mechanism with sensitivity :math:`C/m
 :math:`zC/m`, exactly :math:`\mu`-GDP with :math:`\mu = 1/z` (Dong, Roth, Su 2019, arXiv:1905.02383,
 Thm. 2.7), whose epsilon at ``delta`` the project's accountant reports (PLD by default).
 
-**What is measured.** Each trial runs the REAL server round (``DPFedAvgServer._run_round``: its
-aggregation, noise and server optimizer, through the in-process Flower grid) from a fresh state
+**What is measured.** Each trial runs the REAL round (the :class:`~fedprivacy.fl.strategy.DPFedAvg`
+strategy's, as ``fedprivacy run`` drives it: its aggregation, noise and server optimizer, through the
+in-process Flower grid) from a fresh state
 on a cohort the audit chooses (the claim must hold for every cohort), in pairs: the same cohort
 with the canary ("in") and without it ("out", add/remove neighbours), with independent noise.
 The score is the released model change projected on the canary's direction :math:`v`. Two cohorts:
@@ -65,8 +66,11 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedprivacy.config import RunConfig
 from fedprivacy.engines.inprocess import SERVER_NODE_ID, InProcessGrid
 from fedprivacy.fl import server_app
+from fedprivacy.fl import strategy as strategy_module
 from fedprivacy.fl.records import update_to_record
-from fedprivacy.fl.server_app import DPFedAvgServer, discover_nodes
+from fedprivacy.fl.population import discover_nodes
+from fedprivacy.fl.server_app import DPFedAvgServer
+from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.outputs import strict_json
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
@@ -198,13 +202,13 @@ class _ClipAfterSumMechanism(GaussianMechanism):
                             expected_cohort=float(self.expected_cohort), device=self.device, placement=self.placement)
 
 
-def _broken(mechanism: type[GaussianMechanism]) -> type[DPFedAvgServer]:
-    """The real server with a broken mechanism (no prefetched draw: the variants change it mid-round)."""
-    return type(f"Broken{mechanism.__name__}", (DPFedAvgServer,),
+def _broken(mechanism: type[GaussianMechanism]) -> type[DPFedAvg]:
+    """The real strategy with a broken mechanism (no prefetched draw: the variants change it mid-round)."""
+    return type(f"Broken{mechanism.__name__}", (DPFedAvg,),
                 {"mechanism_cls": mechanism, "prefetch_noise": False, "__doc__": mechanism.__doc__})
 
 
-class _NoiseAfterOptimizer(DPFedAvgServer):
+class _NoiseAfterOptimizer(DPFedAvg):
     """BROKEN on purpose: the optimizer sees the clean average; noise N(0, (zC/m)^2) is added to
     the model afterwards (what Flower's DP wrappers do around an adaptive strategy)."""
 
@@ -214,10 +218,11 @@ class _NoiseAfterOptimizer(DPFedAvgServer):
     def post_process(self, g: torch.Tensor, phi: float) -> None:
         super().post_process(g, phi)
         m = self.mechanism
+        assert self.params is not None
         m.noise.add_(self.params, m.value_noise_multiplier * m.clip_norm / m.expected_cohort)
 
 
-BROKEN_VARIANTS: dict[str, type[DPFedAvgServer]] = {
+BROKEN_VARIANTS: dict[str, type[DPFedAvg]] = {
     "noise_off": _broken(_NoNoise), "noise_halved": _broken(_HalfNoise),
     "realised_divisor": _broken(_RealisedDivisorMechanism), "clip_after_sum": _broken(_ClipAfterSumMechanism),
     "noise_after_optimizer": _NoiseAfterOptimizer, "double_clip_half_noise": _broken(_DoubleClipHalfNoise),
@@ -260,8 +265,9 @@ def _oriented(s_in: np.ndarray, s_out: np.ndarray, n_fit: int) -> tuple[np.ndarr
     return sign * s_in, sign * s_out
 
 
-def _trial_scores(server_cls: type[DPFedAvgServer], cfg: RunConfig, trials: int) -> dict[tuple[str, bool], np.ndarray]:
-    """``trials`` scores per (cohort, canary present): each one fresh server's round, projected on the canary."""
+def _trial_scores(strategy_cls: type[DPFedAvg], cfg: RunConfig,
+                  trials: int) -> dict[tuple[str, bool], np.ndarray]:
+    """``trials`` scores per (cohort, canary present): each one fresh run's round, projected on the canary."""
     task = _AuditTask(cfg)
     dim = sum(p.numel() for p in task.new_model().parameters())
     direction = torch.randn(dim, generator=torch.Generator().manual_seed(cfg.seed))
@@ -272,9 +278,11 @@ def _trial_scores(server_cls: type[DPFedAvgServer], cfg: RunConfig, trials: int)
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = grid.run.run_id, 1, SERVER_NODE_ID
     nodes = discover_nodes(grid, task.population)
     scores = {(name, present): np.empty(trials) for name in COHORTS for present in (True, False)}
-    server_log = logging.getLogger(server_app.__name__)
-    level = server_log.level
-    server_log.setLevel(logging.WARNING)  # a line per trial round would bury the report
+    quiet = {logging.getLogger(server_app.__name__): logging.WARNING,  # a line per trial round would bury
+             logging.getLogger(strategy_module.__name__): logging.ERROR}  # the report, so would the seed's warning
+    levels = {logger: logger.level for logger in quiet}
+    for logger, level in quiet.items():
+        logger.setLevel(level)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             seed = cfg.seed
@@ -282,15 +290,17 @@ def _trial_scores(server_cls: type[DPFedAvgServer], cfg: RunConfig, trials: int)
                 for (name, present), out in scores.items():
                     seed += 1
                     trial_cfg = audit_config(cfg.model_copy(update={"seed": seed}), Path(tmp) / str(seed))
-                    server = server_cls(trial_cfg, task)
+                    server = DPFedAvgServer(trial_cfg, task, strategy_cls=strategy_cls)
                     server.outputs.prepare(resume=False)
-                    mechanism = server.mechanism
+                    server.strategy.use_population(nodes)
+                    mechanism = server.strategy.mechanism
                     mechanism.sampler = _Cohort(((0,) if present else ()) + COHORTS[name], mechanism.sampler)
                     start = server.params.clone()
-                    server._run_round(grid, nodes)
+                    server._run_round(grid, 1)
                     out[t] = float((server.params - start) @ direction)
     finally:
-        server_log.setLevel(level)
+        for logger, level in levels.items():
+            logger.setLevel(level)
     return scores
 
 
@@ -304,8 +314,7 @@ def run_audit(cfg: RunConfig, *, trials: int = 500, delta: float = 1e-5, alpha: 
                          "get it with `fedprivacy calibrate` or from a calibrated run's config.yaml")
     if trials < 10:
         raise ValueError(f"audit trials must be at least 10 pairs, got {trials}")
-    server_cls = DPFedAvgServer if variant == "correct" else BROKEN_VARIANTS[variant]
-    scores = _trial_scores(server_cls, cfg, trials)
+    scores = _trial_scores(DPFedAvg if variant == "correct" else BROKEN_VARIANTS[variant], cfg, trials)
     each = alpha / 3  # Bonferroni over the two Gaussian fits and the threshold test
     gaussian = {}
     for name in COHORTS:

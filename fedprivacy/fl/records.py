@@ -218,12 +218,29 @@ def vector_to_record(vector: torch.Tensor, model: nn.Module) -> ArrayRecord:
     """The broadcast of a flat vector laid out like ``model``'s parameters (``parameters_to_vector``
     order): the same record as :func:`model_to_record` after ``vector_to_parameters(vector, ...)``,
     with one copy of the vector instead of two and the model left as it is."""
+    return layout_to_record(vector, {name: tuple(p.shape) for name, p in model.named_parameters()})
+
+
+def layout_to_record(vector: torch.Tensor, layout: Mapping[str, tuple[int, ...]]) -> ArrayRecord:
+    """A flat vector cut into the named arrays of ``layout`` (name -> shape, in order), one copy."""
     flat = vector.detach().to("cpu", torch.float32)
-    params = list(model.named_parameters())
-    sizes = [p.numel() for _, p in params]
+    sizes = [math.prod(shape) for shape in layout.values()]
     if flat.numel() != sum(sizes):
-        raise ValueError(f"a vector of {flat.numel()} values does not fill a model of {sum(sizes)} parameters")
-    return arrays_to_record({name: part.view(p.shape).numpy() for (name, p), part in zip(params, flat.split(sizes))})
+        raise ValueError(f"a vector of {flat.numel()} values does not fill a layout of {sum(sizes)} values")
+    return arrays_to_record({name: part.view(shape).numpy()
+                             for (name, shape), part in zip(layout.items(), flat.split(sizes))})
+
+
+def record_to_layout(record: ArrayRecord, device: str | torch.device = "cpu") -> tuple[torch.Tensor,
+                                                                                      dict[str, tuple[int, ...]]]:
+    """A model record as one flat float32 vector (in the record's order, one copy) and its layout; every
+    array must be float32 (a DP update covers all of them)."""
+    arrays = record_to_arrays(record)
+    wrong = [f"{name} ({a.dtype})" for name, a in arrays.items() if a.dtype != np.float32]
+    if wrong:
+        raise ValueError(f"DP training covers float32 arrays only; convert or leave out: {', '.join(wrong)}")
+    flat = torch.cat([_tensor(a).reshape(-1) for a in arrays.values()]) if arrays else torch.zeros(0)
+    return flat.to(device, copy=True), {name: tuple(a.shape) for name, a in arrays.items()}
 
 
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:

@@ -94,7 +94,8 @@ def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int, word_count_pat
 
 
 class SideInformationBroadcast:
-    """The server's current ``A``, its versions' provenance, and which nodes hold it."""
+    """The server's current ``A``, its versions' provenance, and which nodes hold it (the
+    :class:`~fedprivacy.fl.strategy.NodeContent` of a run with AdaDPS)."""
 
     def __init__(self, cfg: RunConfig, task: Any) -> None:
         self.cfg = cfg
@@ -126,6 +127,11 @@ class SideInformationBroadcast:
         self.side, self.version = side, version
         self.record = tensors_to_record(side.tensors)
         self.holders = set()
+
+    def config(self) -> dict[str, int | float | str]:
+        """The version of ``A`` this round's messages refer to (every train message's config)."""
+        assert self.version is not None, "update() builds A before the first round"
+        return {VERSION: self.version}
 
     def content_for(self, node: int) -> dict[str, ArrayRecord]:
         """What node ``node``'s message needs besides the shared content: ``A`` unless it holds it."""

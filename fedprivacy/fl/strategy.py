@@ -64,32 +64,74 @@ every cohort and every noise draw, and with them the noise-free sums.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, reply_content, reply_to_update,
-                                   vector_to_arrays)
+from fedprivacy.fl.population import NODE_DISCOVERY_TIMEOUT_S, wait_for_population
+from fedprivacy.fl.records import layout_to_record, record_nbytes, record_to_layout, reply_content, reply_to_update
+from fedprivacy.fl.strategy_state import StrategyState
+from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
+from fedprivacy.outputs import ResumeError
 from fedprivacy.privacy.accounting import AccountantKind, Sampling, resolve_delta
-from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
-from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
 
 log = logging.getLogger(__name__)
+
+
+class NodeContent(Protocol):
+    """What a run adds to the train messages beyond the model, from public values only (AdaDPS's side
+    information: :class:`fedprivacy.fl.side_information.SideInformationBroadcast`)."""
+
+    def config(self) -> dict[str, int | float | str]:
+        """Keys added to every train message's ``config`` this round."""
+
+    def content_for(self, node: int) -> dict[str, ArrayRecord]:
+        """Records added to ``node``'s train message this round."""
+
+    def acknowledge(self, node: int, ok: bool) -> None:
+        """``node`` answered this round's message (``ok``: without an error)."""
+
+
+@dataclass
+class _Diagnostics:
+    """What a round's accepted replies said besides their updates (diagnostics, never released)."""
+
+    losses: list[float] = field(default_factory=list)
+    uplink: list[int] = field(default_factory=list)
+    residual: list[float] = field(default_factory=list)
+
+    def add(self, content: RecordDict) -> None:
+        reported = content.metric_records.get("metrics") or {}
+        numbers = {k: float(v) for k, v in reported.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.uplink.append(record_nbytes(content.array_records["arrays"]))
+        if "train_loss" in numbers:
+            self.losses.append(numbers["train_loss"])
+        if "residual-bytes" in numbers:
+            self.residual.append(numbers["residual-bytes"])
+
+    def metrics(self) -> dict[str, float]:
+        out = {"train_loss": _mean(self.losses), "uplink_bytes_per_client": _mean(self.uplink)}
+        if self.residual:
+            out["residual_bytes_per_client"] = _mean(self.residual)
+        return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 class DPFedAvg(Strategy):
@@ -117,10 +159,22 @@ class DPFedAvg(Strategy):
         accountants: the epsilons reported each round.
         seed: None (default, a deployment's): cohort and noise from the OS's cryptographic source; an int:
             a reproducible simulation whose cohorts and noise anyone knowing the seed can rebuild.
+        noise_cohort, noise_population: large-cohort emulation (pfl-research's ``noise_cohort_size``): the
+            noise is scaled so that the epsilon is that of a deployment sampling ``noise_cohort`` of
+            ``noise_population``; it does NOT hold for this run (:class:`GaussianMechanism`).
+        device: where the model, the sum and the noise live.
+        node_content: what the train messages carry besides the model (:class:`NodeContent`), or None.
         node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
         state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
             "Crashes"); None: nothing is kept, and a crash loses the ledger.
     """
+
+    mechanism_cls: type[GaussianMechanism] = GaussianMechanism
+    """The mechanism's class (the audit's deliberately broken strategies substitute a broken one)."""
+    prefetch_noise = True
+    """Start each release's draw (:meth:`PrivateSum.prefetch_noise`) as soon as the previous one is made,
+    on a second core, during that round's tail and this round's clients (the same draw, bit for bit);
+    off only for strategies that change the mechanism mid-round (the audit's broken variants)."""
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
                  sampling: Sampling = "poisson", placement: Placement = "central", optimizer: OptimizerName = "sgd",
@@ -129,68 +183,81 @@ class DPFedAvg(Strategy):
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
                  record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
-                 seed: int | None = None, node_timeout: float = 600.0, state_dir: str | Path | None = None) -> None:
+                 seed: int | None = None, noise_cohort: int | None = None, noise_population: int | None = None,
+                 device: str | torch.device = "cpu", node_content: NodeContent | None = None,
+                 node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
                          "placement": placement, "optimizer": optimizer, "lr": lr,
                          "optimizer_settings": dict(optimizer_settings or {}),
                          "adaptive_clipping": None if adaptive_clipping is None else asdict(adaptive_clipping),
                          "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
-                         "delta": delta, "seed": seed}
+                         "delta": delta, "seed": seed, "noise_cohort": noise_cohort,
+                         "noise_population": noise_population}
         """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
-        self.mechanism = GaussianMechanism(
+        self.mechanism = self.mechanism_cls(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
-            population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping, seed=seed)
-        self.delta = resolve_delta(delta, population)
+            population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping,
+            noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device)
+        self.delta = resolve_delta(delta, self.mechanism.claim_population)
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
                         "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
-        settings = dict(optimizer_settings or {})
-        if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
-            settings.setdefault("phi", self.mechanism.phi())
-        self.optimizer = make_server_optimizer(optimizer, lr=lr, **settings)
+        self.optimizer = make_server_optimizer(optimizer, lr=lr, **self._optimizer_settings(optimizer,
+                                                                                          optimizer_settings))
         self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
-        self.node_timeout = node_timeout
-        self.record_level = record_level
-        self.client_ledgers = ClientLedgers()  # client-side releases (record-level DP, local noise), per node id
-        self.stopped = False
-        self._nodes: list[int] | None = None
-        self._sent: dict[str, np.ndarray] | None = None
-        self._cohort: set[int] = set()  # the nodes sampled this round: each may contribute once
+        self.record_level, self.device = record_level, torch.device(device)
+        self.node_content, self.node_timeout = node_content, node_timeout
+        self.client_ledgers = ClientLedgers()  # client-side releases (record-level DP, local noise), per client
+        self.params: torch.Tensor | None = None  # x_t, flat, on ``device``
+        self.layout: dict[str, tuple[int, ...]] = {}  # parameter name -> shape, in the broadcast's order
+        self._record: ArrayRecord | None = None  # x_t as broadcast (and returned by aggregate_train)
+        self.nodes: list[int] | None = None  # the population's node ids, in sampling order
+        self._labels: dict[int, int] = {}  # node id -> the id its client-side ledger is kept under
+        self.cohort: list[int] = []  # this round's sampled nodes
+        self._waiting: set[int] = set()  # sampled nodes that have not answered: each may contribute once
+        self._downlink = 0
         self.round = 0  # rounds completed, across restarts
         self._offset = 0  # rounds completed before this start(): Flower's loop counts from 1 again
+        self.rounds_planned: int | None = None  # the run's last round, when known (no draw is prefetched past it)
+        self.empty_rounds: list[int] = []  # rounds in which no sampled client's update was accepted
+        self.stopped = False
         self.state = None if state_dir is None else StrategyState(state_dir)
         if self.state is not None:
             self.state.load(self.settings)  # a changed setting is refused now, before anything runs
+
+    def _optimizer_settings(self, optimizer: str, given: dict[str, Any] | None) -> dict[str, Any]:
+        settings = dict(given or {})
+        if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
+            settings.setdefault("phi", self.mechanism.phi())
+        return settings
 
     # -- Flower's Strategy interface ----------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's ``Strategy.start``; with ``state_dir``, resumable (module docstring, "Crashes")."""
+        self.rounds_planned = num_rounds
         if self.state is None:
+            self._offset = self.round
             return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                                  evaluate_fn)
         with self.state.lock():
-            saved = self.state.load(self.settings)
-            if saved is not None:
-                initial_arrays = self._restore(saved)
-            lost = self.mechanism.attach_release_log(ReleaseLog(self.state.dir))
-            if lost:
-                log.warning("%d release(s) were made after the checkpoint (round %d) and are accounted; the round "
-                            "after it runs again with a fresh cohort and draw", lost, self.round)
-            self._offset = offset = self.round
+            self.adopt(initial_arrays)
+            self.resume(self.state.load(self.settings), ReleaseLog(self.state.dir))
+            offset, initial = self._offset, self._record
+            assert initial is not None
             shifted = None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd + offset, arrays))
-            result = super().start(grid, initial_arrays, max(num_rounds - offset, 0), timeout, train_config,
+            result = super().start(grid, initial, max(num_rounds - offset, 0), timeout, train_config,
                                    evaluate_config, shifted)
-        return _shift_rounds(result, offset, initial_arrays)
+        return _shift_rounds(result, offset, initial)
 
     @property
     def arrays(self) -> ArrayRecord | None:
         """The latest model (after the last completed round, or as restored from ``state_dir``), or None."""
-        return None if self._sent is None else arrays_to_record(self._sent)
+        return self._record
 
     def summary(self) -> None:
         m = self.mechanism
@@ -200,58 +267,42 @@ class DPFedAvg(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Sample the cohort over the full population; broadcast ``arrays`` and ``config`` to it."""
-        if self.stopped or (self.target_epsilon is not None and self.mechanism.would_exceed(
-                self.delta, self.budget_accountant, self.target_epsilon)):
-            if not self.stopped:
-                log.warning("round %d: stopping, it would exceed epsilon %g", server_round, self.target_epsilon)
-            self.stopped = True
+        """Sample the cohort over the full population; broadcast ``x_t`` (``arrays``), ``config``, C_t,
+        DiSK's lookahead and the node content to it; nothing once the budget would be exceeded."""
+        if self._out_of_budget(self._offset + server_round):
             return []
         nodes = self._population(grid)
-        self._sent = float32_arrays(arrays)
+        self.adopt(arrays)
         t = self._offset + server_round
-        round_config = ConfigRecord({**config, "server-round": t})
-        content = RecordDict({"arrays": arrays, "config": round_config})
-        lookahead = self.step.lookahead(arrays_to_vector(self._sent))
-        if lookahead is not None and self.step.disk is not None:  # DiSK: x_t + gamma d_{t-1}, from released values
-            content["lookahead"] = arrays_to_record(vector_to_arrays(lookahead, self._sent))
-            round_config["disk-c"] = self.step.disk.c
-        self._cohort = {nodes[i] for i in self.mechanism.sample()}
-        return [Message(content, dst_node_id=node, message_type="train") for node in sorted(self._cohort)]
+        self.cohort = [nodes[i] for i in self.mechanism.sample()]
+        self._waiting = set(self.cohort)
+        content = self._broadcast(t, config)
+        extra = self.node_content
+        return [Message(RecordDict({**content, **(extra.content_for(node) if extra else {})}), dst_node_id=node,
+                        message_type="train", group_id=str(t)) for node in self.cohort]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Clip, sum, ONE noise draw, fixed divisor, then :class:`ServerStep`: ``x_{t+1}``."""
-        if self.stopped or self._sent is None:
+        """Clip and sum the replies as they stream in, ONE noise draw, fixed divisor (the release, logged
+        ahead and accounted), then :meth:`post_process`: ``x_{t+1}`` and the round's metrics."""
+        if self.stopped or self.params is None:
             return None, None
-        x, layout = arrays_to_vector(self._sent), {name: a.shape for name, a in self._sent.items()}
-        agg, expected = self.mechanism.aggregator(x.numel()), set(self._cohort)
-        for reply in replies:
-            if reply.metadata.src_node_id not in expected:  # not sampled, or a second reply: never counts twice
-                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
-                            server_round, reply.metadata.src_node_id)
-                continue
-            expected.discard(reply.metadata.src_node_id)
-            try:
-                update = self._accept(reply, x, layout)
-            except RejectedUpdate as err:
-                agg.reject(err.reason, f"node {reply.metadata.src_node_id}", str(err))
-                continue
-            agg.add_(update, f"node {reply.metadata.src_node_id}")
-        for line in agg.stats.rejection_warnings():
-            log.warning("round %d: %s", server_round, line)
-        phi = self.mechanism.phi()
+        agg = self._aggregator()
+        diagnostics = self._collect(self._offset + server_round, replies, agg)
         self.round = self._offset + server_round
-        g, _ = self.mechanism.release(agg, self.round)
-        self.step.apply_(x, g, phi)
-        self._sent = vector_to_arrays(x, self._sent)
+        self._report_rejections(agg)
+        clip_norm, phi = self.mechanism.clip_norm, self.mechanism.phi()  # C_t and Phi_t, before the release
+        g, unclipped = self.mechanism.release(agg, self.round)
+        self.post_process(g, phi)
+        self._record = layout_to_record(self.params, self.layout)
+        if self.prefetch_noise and (self.rounds_planned is None or self.round < self.rounds_planned):
+            self.mechanism.prefetch(agg)  # every draw of this round is made: start the next round's
         if self.state is not None:
-            self.state.save(self.settings, {"round": self.round, "arrays": self._sent, **self._state_dict()})
-        metrics = MetricRecord({**agg.stats.as_metrics(), **{f"epsilon_{k}": float("nan") if v is None else v
-                                                            for k, v in self.epsilons().items()}})
-        if len(self.client_ledgers):
-            metrics["client_epsilon_max"] = max(self.client_epsilons().values())
-        return arrays_to_record(self._sent), metrics
+            self.state.save(self.settings, self.state_dict())
+        metrics = {**diagnostics.metrics(), **self._privacy_metrics(agg, clip_norm, unclipped),
+                   "downlink_bytes_per_client": float(self._downlink), "cohort_sampled": float(len(self.cohort)),
+                   "cohort_dropped": float(len(self._waiting))}
+        return self._record, MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -261,57 +312,174 @@ class DPFedAvg(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
 
+    # -- seams --------------------------------------------------------------------------------
+    def post_process(self, g: torch.Tensor, phi: float) -> None:
+        """Everything after the release, on ``g_t`` only (invariant 6): :class:`ServerStep` (DiSK's filter
+        if configured, DP-FedAdamBC's Phi, the server optimizer); ``phi`` is this round's Phi_t."""
+        assert self.params is not None
+        self.step.apply_(self.params, g, phi)
+
+    def adopt(self, arrays: ArrayRecord) -> None:
+        """Take ``arrays`` as ``x_t`` (float32 only), unless it is the model this strategy last returned
+        (Flower's loop hands that back each round: no copy is made then)."""
+        if arrays is not self._record:
+            self.params, self.layout = record_to_layout(arrays, self.device)
+            self._record = arrays
+
+    def use_population(self, nodes: Sequence[int], labels: Sequence[int] | None = None) -> None:
+        """Sample over ``nodes`` (in this order) instead of the registered nodes' sorted ids; ``labels``:
+        the id under which each node's client-side releases are kept (default: its node id)."""
+        if len(nodes) != self.mechanism.population:
+            raise ValueError(f"{len(nodes)} nodes given for population={self.mechanism.population}")
+        self.nodes = list(nodes)
+        self._labels = dict(zip(nodes, labels)) if labels is not None else {}
+
+    def resume(self, saved: dict[str, Any] | None, release_log: ReleaseLog) -> int:
+        """Continue from ``saved`` (:meth:`state_dict`; None: from round 0) with every release in
+        ``release_log`` accounted; from now on the log records each release before its noise is drawn.
+        Returns how many logged releases the checkpoint did not hold (their rounds run again, with a
+        fresh cohort and draw)."""
+        if saved is not None:
+            self.load_state_dict(saved)
+        lost = self.mechanism.attach_release_log(release_log)
+        if lost:
+            log.warning("%d release(s) were made after the checkpoint (round %d) and are accounted; the rounds "
+                        "after it run again with a fresh cohort and draw (noise epoch %d)",
+                        lost, self.round, self.mechanism.epoch)
+        self._offset = self.round
+        return lost
+
     # -- privacy ------------------------------------------------------------------------------
     def epsilons(self) -> dict[str, float | None]:
         """Epsilon spent so far at ``delta`` under each of ``accountants``."""
         return self.mechanism.epsilons(self.delta, self.accountants)
 
     def client_epsilons(self, kind: AccountantKind | None = None) -> dict[int, float]:
-        """Each client's (node id's) own epsilon from its client-side releases so far, at its own delta
-        (else the run's), under ``kind`` (default ``budget_accountant``); empty if none reported any."""
+        """Each client's own epsilon from its client-side releases so far, at its own delta (else the
+        run's), under ``kind`` (default ``budget_accountant``); empty if none reported any."""
         return self.client_ledgers.epsilons(self.delta, kind or self.budget_accountant)
 
-    # -- internals ----------------------------------------------------------------------------
-    def _state_dict(self) -> dict[str, Any]:
-        return {"step": self.step.state_dict(), "mechanism": self.mechanism.state_dict(),
-                "client_ledgers": self.client_ledgers.state_dict()}
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The round, ``x_t``, the server step's and the mechanism's state, the clients' ledgers."""
+        return {"round": self.round, "params": None if self.params is None else self.params.cpu(),
+                **self.step.state_dict(), **self.mechanism.state_dict(),
+                "client_ledgers": self.client_ledgers.state_dict(), "empty_rounds": list(self.empty_rounds)}
 
-    def _restore(self, saved: dict[str, Any]) -> ArrayRecord:
-        """Continue from ``saved`` (:meth:`StrategyState.load`); returns the model to start from."""
-        self.round = int(saved["round"])
-        self.step.load_state_dict(saved["step"])
-        self.mechanism.load_state_dict(saved["mechanism"])
-        self.client_ledgers.load_state_dict(saved["client_ledgers"])
-        self._sent = dict(saved["arrays"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` onto a strategy holding a model of the same layout (:meth:`adopt`)."""
+        params = state["params"]
+        if self.params is None or params.numel() != self.params.numel():
+            raise ResumeError(f"the saved model has {params.numel()} values; the model given has "
+                              f"{None if self.params is None else self.params.numel()}")
+        self.round = int(state["round"])
+        self.params = params.to(self.device)
+        self.step.load_state_dict(state)
+        self.mechanism.load_state_dict(state)
+        self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})
+        self.empty_rounds = list(state.get("empty_rounds", []))
+        self._record = layout_to_record(self.params, self.layout)
         log.info("DPFedAvg: resumed at round %d (%d releases accounted)", self.round, self.mechanism.ledger.rounds)
-        return arrays_to_record(self._sent)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _out_of_budget(self, t: int) -> bool:
+        """Whether the run has stopped: round ``t``'s release would exceed ``target_epsilon`` (invariant 8)."""
+        if not self.stopped and self.target_epsilon is not None and self.mechanism.would_exceed(
+                self.delta, self.budget_accountant, self.target_epsilon):
+            log.warning("stopping before round %d: it would exceed epsilon %g", t, self.target_epsilon)
+            self.stopped = True
+        return self.stopped
 
     def _population(self, grid: Grid) -> list[int]:
-        """The population's node ids, fixed at round 1 once all ``population`` nodes are registered."""
-        if self._nodes is None:
-            deadline = time.monotonic() + self.node_timeout
-            while len(ids := sorted(grid.get_node_ids())) < self.mechanism.population:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"only {len(ids)} of population={self.mechanism.population} nodes "
-                                       f"registered within {self.node_timeout:.0f} s")
-                time.sleep(0.05)
-            if len(ids) > self.mechanism.population:
-                raise ValueError(f"{len(ids)} nodes registered but population={self.mechanism.population}: "
-                                 "sampling must range over exactly the population the accountant assumes")
-            self._nodes = ids
-        return self._nodes
+        """The population's node ids, fixed at round 1 (:func:`~fedprivacy.fl.population.wait_for_population`)."""
+        if self.nodes is None:
+            self.nodes = wait_for_population(grid, self.mechanism.population, self.node_timeout)
+        return self.nodes
 
-    def _accept(self, reply: Message, x: torch.Tensor, layout: dict[str, tuple[int, ...]]) -> SparseUpdate:
+    def _broadcast(self, t: int, config: ConfigRecord) -> dict[str, ArrayRecord | ConfigRecord]:
+        """What every sampled node receives in round ``t``: ``x_t``, the config (with the round, C_t, the
+        noise epoch after a re-run of released rounds, DiSK's ``c``) and DiSK's lookahead ``x_t + gamma
+        d_{t-1}``, a function of released values only."""
+        assert self.params is not None and self._record is not None
+        round_config = ConfigRecord({**config, "server-round": t, "clip-norm": float(self.mechanism.clip_norm)})
+        if self.mechanism.epoch:  # simulated clients draw fresh noise streams too
+            round_config["noise-epoch"] = self.mechanism.epoch
+        if self.node_content is not None:
+            round_config.update(self.node_content.config())
+        content: dict[str, ArrayRecord | ConfigRecord] = {"arrays": self._record, "config": round_config}
+        lookahead = self.step.lookahead(self.params)
+        if lookahead is not None and self.step.disk is not None:
+            content["lookahead"] = layout_to_record(lookahead, self.layout)
+            round_config["disk-c"] = self.step.disk.c
+        sparse = getattr(self.optimizer, "downlink_bytes", None)  # DP-MicroAdam: x_t - x_{t-1} is sparse
+        model_bytes = sparse() if sparse is not None and t > 1 else 4 * self.params.numel()
+        self._downlink = model_bytes + (4 * self.params.numel() if lookahead is not None else 0)
+        return content
+
+    def _aggregator(self) -> PrivateSum:
+        """The round's streaming clip-and-sum at C_t; its noise starts drawing now if not already."""
+        assert self.params is not None
+        agg = self.mechanism.aggregator(self.params.numel())
+        if self.prefetch_noise:
+            self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
+        return agg
+
+    def _collect(self, t: int, replies: Iterable[Message], agg: PrivateSum) -> _Diagnostics:
+        """Stream the replies into ``agg``, each accepted or rejected with its reason; a reply from a node
+        not sampled this round, or a second one, is dropped (a node never contributes twice)."""
+        diagnostics = _Diagnostics()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in self._waiting:
+                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
+                            t, node)
+                continue
+            self._waiting.discard(node)
+            if self.node_content is not None:
+                self.node_content.acknowledge(node, not reply.has_error())
+            try:
+                update = self._accept(reply)
+            except RejectedUpdate as err:
+                agg.reject(err.reason, f"node {node}", str(err))
+                continue
+            if agg.add_(update, f"node {node}"):
+                diagnostics.add(reply.content)
+        return diagnostics
+
+    def _accept(self, reply: Message) -> SparseUpdate:
         """Account the client-side releases the reply reports, then its update: full weights minus the
         broadcast, or a sparse delta (:func:`~fedprivacy.fl.records.reply_to_update`); else RejectedUpdate."""
-        content, m = reply_content(reply), self.mechanism
+        assert self.params is not None
+        content, m, node = reply_content(reply), self.mechanism, reply.metadata.src_node_id
         try:
             self.client_ledgers.compose_reply(
-                reply.metadata.src_node_id, content.metric_records.get("metrics"), record_level=self.record_level,
+                self._labels.get(node, node), content.metric_records.get("metrics"), record_level=self.record_level,
                 local_noise_multiplier=m.noise_multiplier if m.placement == "local" else None)
         except ValueError as err:
             raise RejectedUpdate("unaccounted", str(err)) from None
-        return reply_to_update(content, x, layout)
+        return reply_to_update(content, self.params, self.layout)
+
+    def _report_rejections(self, agg: PrivateSum) -> None:
+        """One warning per rejection reason; an error (and a record in ``empty_rounds``) when nothing was accepted."""
+        for line in agg.stats.rejection_warnings():
+            log.warning("round %d: %s", self.round, line)
+        if self.cohort and not agg.stats.accepted:
+            self.empty_rounds.append(self.round)
+            log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
+                      self.round, len(self.cohort))
+
+    def _privacy_metrics(self, agg: PrivateSum, clip_norm: float, unclipped: float | None) -> dict[str, float]:
+        """Epsilons so far, the aggregation's statistics, C_t, the server's noise std; the released unclipped
+        fraction (adaptive clipping), DP-FedAdamBC's floored fraction, the largest client epsilon."""
+        out = {f"epsilon_{k}": float("nan") if v is None else v for k, v in self.epsilons().items()}
+        out.update(agg.stats.as_metrics(), clip_norm=clip_norm, server_noise_std=agg.server_noise_std())
+        if unclipped is not None:
+            out["unclipped_fraction_released"] = unclipped
+        if isinstance(self.optimizer, ServerAdamBC):  # where bias correction can matter (Tang et al., arXiv:2312.14334)
+            out["adambc_floored_fraction"] = self.optimizer.floored_fraction
+        if len(self.client_ledgers):
+            out["client_epsilon_max"] = max(self.client_epsilons().values())
+        return out
 
 
 def _shift_rounds(result: Result, offset: int, initial_arrays: ArrayRecord) -> Result:

@@ -28,7 +28,7 @@ from fedprivacy.locks import FolderBusyError, locked
 from fedprivacy.outputs import RUN_LOCK, ResumeError, atomic_save, load_checkpoint
 
 STATE = "strategy.pt"
-_VERSION = 1
+_VERSION = 2  # 2: the model as a flat vector ("params") in the broadcast's layout
 
 
 class StrategyState:

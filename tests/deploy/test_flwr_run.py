@@ -13,7 +13,7 @@ import pytest
 
 from fedprivacy.config import ConfigError, build_config, config_differences
 from fedprivacy.fl.run_config import BASE_KEYS, RUN_CONFIG_KEYS, config_from_run_config
-from fedprivacy.fl.server_app import PopulationMismatch, discover_nodes
+from fedprivacy.fl.population import PopulationMismatch, discover_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 DECLARED = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]

@@ -15,7 +15,9 @@ from torch.nn.utils import parameters_to_vector
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import build_client_app
-from fedprivacy.fl.server_app import DPFedAvgServer, build_server_app, discover_nodes
+from fedprivacy.fl.population import discover_nodes
+from fedprivacy.fl.server_app import DPFedAvgServer, build_server_app
+from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.outputs import RunExistsError
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.sampling import make_sampler
@@ -157,7 +159,7 @@ def test_a_crash_after_a_mid_run_checkpoint_resumes_bit_exactly(small_config, tm
     original = DPFedAvgServer._run_round
 
     def crash_in_round_3(self, *args):
-        if self.round == 2:
+        if self.strategy.round == 2:
             raise RuntimeError("simulated crash")
         return original(self, *args)
 
@@ -325,13 +327,13 @@ def test_a_crash_after_uncheckpointed_releases_keeps_every_release_accounted_wit
         pass
 
     cfg = small_config("rounds=4", "checkpoint_every=2", f"output_dir={tmp_path / 'run'}")
-    original = DPFedAvgServer.post_process
+    original = DPFedAvg.post_process
 
     def crash_after_round_3(self, g, phi):
         original(self, g, phi)
         if self.round == 3:
             raise Crash
-    monkeypatch.setattr(DPFedAvgServer, "post_process", crash_after_round_3)
+    monkeypatch.setattr(DPFedAvg, "post_process", crash_after_round_3)
     with pytest.raises(Crash):
         run(cfg)
     monkeypatch.undo()
@@ -399,7 +401,7 @@ def test_a_delta_of_at_least_one_over_n_is_flagged_in_the_claim_and_the_log(smal
     with caplog.at_level("WARNING"):
         weak = run(small_config("rounds=1", "privacy.delta=0.5", f"output_dir={tmp_path / 'weak'}"))
     assert "delta=0.5 >= 1/population: permits publishing a random user's data in full" in weak["privacy_claim"]
-    assert any("privacy.delta=0.5 >= 1/population" in r.getMessage() for r in caplog.records)
+    assert any("delta=0.5 >= 1/population" in r.getMessage() for r in caplog.records)
     default = run(small_config("rounds=1", f"output_dir={tmp_path / 'default'}"))
     assert ">= 1/population" in default["privacy_claim"]  # the default 1/N is exactly such a delta
     strong = run(small_config("rounds=1", "privacy.delta=1e-6", f"output_dir={tmp_path / 'strong'}"))

@@ -155,12 +155,13 @@ def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_con
     from fedprivacy.fl.server_app import DPFedAvgServer
     from fedprivacy.task import load_task
 
+    torch.set_default_dtype(torch.float32)  # the strategy's model travels as float32 (the fixture restores it)
     m, clip, s = 8, 100.0, 0.3  # |u| = 0.3 sqrt(d) = 95 < C: unclipped; z = 0.08 >= 2^-6
     z = m / clip  # Phi = (z C / m)^2 = 1
     cfg = small_config("server.optimizer=adambc", "server.lr=1e-6", "server.beta2=0.99", "server.gamma_prime=1e-6",
                        "server.disk.kappa=0.7", f"privacy.noise_multiplier={z}", f"privacy.clip_norm={clip}",
                        f"privacy.expected_cohort={m}")
-    server = DPFedAvgServer(cfg, load_task(cfg.data))
+    server = DPFedAvgServer(cfg, load_task(cfg.data)).strategy
     d = server.params.numel()
     for _ in range(300):
         agg = server.mechanism.aggregator(d)
@@ -170,6 +171,6 @@ def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_con
         server.post_process(g, server.mechanism.phi())
     opt = server.optimizer
     shifted_square = opt._denominator(opt.v, opt.count) ** 2
-    assert server.disk.noise_variance == pytest.approx(0.538, rel=0.01)
+    assert server.step.disk.noise_variance == pytest.approx(0.538, rel=0.01)
     assert float(shifted_square.mean()) == pytest.approx(s**2, rel=0.1)
     assert float((shifted_square <= 1e-6).float().mean()) < 0.4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedprivacy.config import ConfigError
-from fedprivacy.fl.server_app import build_mechanism, build_server_optimizer
+from fedprivacy.fl.server_app import build_strategy
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise
@@ -117,7 +117,6 @@ def test_adambc_phi_follows_the_placement(small_config):
     cfg = small_config("server.optimizer=adambc", "server.lr=0.01", "privacy.placement=local")
     task = load_task(cfg.data)
     model = task.new_model()
-    opt = build_server_optimizer(cfg, sum(p.numel() for p in model.parameters()), model,
-                                 build_mechanism(cfg, task.population))
+    opt = build_strategy(cfg, task.population, model).optimizer
     p = cfg.privacy
     assert opt.phi == pytest.approx(p.noise_multiplier ** 2 * p.clip_norm ** 2 / p.expected_cohort)
