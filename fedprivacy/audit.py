@@ -74,10 +74,11 @@ from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.outputs import strict_json
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
-from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.audit_stats import best_threshold, epsilon_lower_bound, gaussian_fit, gdp_epsilon
 from fedprivacy.privacy.clipping import clip_scale
 from fedprivacy.privacy.mechanism import GaussianMechanism
+from fedprivacy.updates import SparseUpdate
 
 CROWD = 8  # clients beside the canary in the ``crowd`` cohort
 CROWD_SCALE = 2.0  # each crowd client sends -CROWD_SCALE * C * v: always clipped

@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from fedprivacy.client.trainer import LocalResult
 from fedprivacy.models.lstm import NextWordLSTM
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 
 Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 """One client's forward: ``forward(parameters by name, features batch) -> logits``."""

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from fedprivacy.optim.microadam import dequantize_4bit, quantize_4bit, top_k_per_block
-from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.clipping import clip_scale, float32_exact_scale, l2_norm_bound
+from fedprivacy.updates import SparseUpdate
 
 
 @dataclass(frozen=True)

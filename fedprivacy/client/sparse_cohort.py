@@ -42,7 +42,7 @@ import torch
 from fedprivacy.client.cohort_training import _batch_indices
 from fedprivacy.client.trainer import LocalResult
 from fedprivacy.models.logistic import LocalRows, SparseLogisticRegression
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 
 
 def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple[sp.csr_matrix, np.ndarray]], *,

@@ -7,7 +7,7 @@
 The batch order is drawn from a generator seeded by ``(run seed, round, client)``, so the same
 client in the same round trains identically on every engine.
 
-The delta is returned as a :class:`~fedprivacy.privacy.aggregation.SparseUpdate` over the
+The delta is returned as a :class:`~fedprivacy.updates.SparseUpdate` over the
 coordinates that local SGD can change (``model.update_support(features)`` when the model
 defines it; else all of them, as a dense update). It is the same vector as the dense delta: every
 other coordinate is exactly zero. Afterwards the model is restored to ``x_t`` on those coordinates, so one working
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from fedprivacy.client.tensors import host_floats
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 
 CLIENT_STREAM = 0x636C69656E74  # "client"
 

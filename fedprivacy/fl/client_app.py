@@ -39,7 +39,7 @@ from fedprivacy.client.compression import Residual, compress
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
 from fedprivacy.optim.disk import disk_combination
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
 from fedprivacy.fl.records import arrays_to_record, load_record_, record_to_arrays, record_to_vector, update_to_record

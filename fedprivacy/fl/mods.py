@@ -33,7 +33,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from fedprivacy.client.compression import Residual, compress
 from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays,
                                    update_to_record, vector_to_arrays)
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.client_ledgers import METRIC_PREFIX
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, client_noise_std, privatize_upload_

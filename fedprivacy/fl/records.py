@@ -4,7 +4,7 @@
   flattened in ``model.parameters()`` order (``parameters_to_vector``).
 - A client update travels as ``{"indices": int32[k], "values": float32[k]}``: a flat COO vector
   in that same order, or ``{"indices": int32[r], "values": float32[r, b]}``: block-sparse rows of
-  the flat vector viewed as ``(d / b, b)`` (see :class:`~fedprivacy.privacy.aggregation.SparseUpdate`);
+  the flat vector viewed as ``(d / b, b)`` (see :class:`~fedprivacy.updates.SparseUpdate`);
   int64 indices are accepted too (and sent when an index would not fit in int32).
   The server validates it before use; anything else decodes to ``None`` (rejected, contributes zero).
 - Encoding writes the bytes ``np.save`` writes, with one copy; decoding on the CPU is a zero-copy
@@ -24,7 +24,7 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common.constant import SType
 from torch import nn
 
-from fedprivacy.privacy.aggregation import RejectedUpdate, SparseUpdate
+from fedprivacy.updates import RejectedUpdate, SparseUpdate
 
 
 _NPY_MAGIC_1_0 = b"\x93NUMPY\x01\x00"

@@ -83,7 +83,8 @@ from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.outputs import ResumeError
 from fedprivacy.privacy.accounting import AccountantKind, Sampling, resolve_delta
-from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum
+from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
 from fedprivacy.privacy.placement import Placement

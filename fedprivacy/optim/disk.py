@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 
 
 def disk_coefficient(kappa: float, gamma: float) -> float:

@@ -8,7 +8,7 @@ with ``m`` the EXPECTED cohort from the config, never the number of replies (inv
 the released value's sensitivity is ``C/m`` and its noise std ``zC/m`` whatever the realised
 cohort. Updates are streamed: memory is one accumulator of size ``d``, not one per client.
 
-Updates arrive as :class:`SparseUpdate` (a flat COO vector: the coordinates not listed are zero)
+Updates arrive as :class:`~fedprivacy.updates.SparseUpdate` (a flat COO vector: the coordinates not listed are zero)
 or dense. Clipping the listed values IS clipping the whole vector, because the indices must be
 strictly increasing and in range: a repeated index would let a client add more than its clipped
 norm, so such an update is rejected.
@@ -24,7 +24,7 @@ byte order and shape against the contract).
 
 Rejections (invariants 11 and 12): a reply that is missing, failed, malformed, of the wrong dtype,
 holds NaN/Inf, or (sample-level DP clients) carries no valid accounting event contributes zero,
-counted by reason (:data:`REJECTION_REASONS`). Nothing about a rejection changes the noise or the
+counted by reason (:data:`~fedprivacy.updates.REJECTION_REASONS`). Nothing about a rejection changes the noise or the
 divisor (under the distributed placement a rejected upload's noise share is topped up by the server).
 
 Privacy: MECHANISM stage. Everything downstream (server optimizer, filters) sees only ``g_t``.
@@ -41,69 +41,7 @@ import torch
 from fedprivacy.privacy.clipping import clip_scale, float32_exact_scale, l2_norm_bound
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, server_noise_std
-
-
-@dataclass(frozen=True)
-class SparseUpdate:
-    """A flat update of dimension ``dim`` that is zero outside ``indices`` (``None``: dense).
-
-    ``values`` 1-D: flat COO, ``values[j]`` is coordinate ``indices[j]``. ``values`` 2-D of shape
-    ``(r, b)``: block-sparse, the flat vector viewed as ``(dim / b, b)`` rows, ``values[j]`` is row
-    ``indices[j]`` (``b = 1`` is flat COO). The same vector either way; blocks make validation and
-    accumulation O(r) row operations instead of O(r b) scattered ones (a logistic-regression client
-    changes whole weight rows: see ``SparseLogisticRegression.support_blocks``).
-    """
-
-    indices: torch.Tensor | None
-    values: torch.Tensor
-    dim: int
-
-    @classmethod
-    def dense(cls, vector: torch.Tensor) -> SparseUpdate:
-        return cls(None, vector.reshape(-1), vector.numel())
-
-    @property
-    def block(self) -> int:
-        """Coordinates per index: 1 for flat COO and dense, ``values.shape[1]`` for blocks."""
-        return int(self.values.shape[1]) if self.values.dim() == 2 else 1
-
-    def is_well_formed(self, dim: int) -> bool:
-        """Right dimension; indices 1-D int64, strictly increasing, in ``[0, dim / block)``, one value (row) each."""
-        if self.dim != dim or self.values.dim() not in (1, 2):
-            return False
-        if self.indices is None:
-            return self.values.dim() == 1 and self.values.numel() == dim
-        idx, block = self.indices, self.block
-        if block < 1 or dim % block or idx.dtype != torch.int64 or idx.dim() != 1 or idx.numel() != self.values.shape[0]:
-            return False
-        if idx.numel() == 0:
-            return True
-        ids = idx.cpu().numpy()  # checked in numpy: three small torch ops cost ~4x as much per reply
-        return bool(ids[0] >= 0 and ids[-1] < dim // block and (ids[1:] > ids[:-1]).all())
-
-    def to_dense(self) -> torch.Tensor:
-        if self.indices is None:
-            return self.values
-        out = torch.zeros(self.dim, dtype=self.values.dtype, device=self.values.device)
-        out.view(-1, self.block)[self.indices] = self.values.reshape(-1, self.block)
-        return out
-
-
-REJECTION_REASONS = ("failed", "malformed", "dtype", "nonfinite", "unaccounted")
-"""Why a reply contributes zero: the client reported an error; its record is not an update of the
-contract (keys, shape, dimension, indices); its payload's dtype or byte order is not the contract's
-(or not what its own metadata says); it holds NaN/Inf; it trained with sample-level DP but sent no
-valid accounting event."""
-
-
-class RejectedUpdate(ValueError):
-    """A reply that contributes zero, with its reason (one of :data:`REJECTION_REASONS`)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        if reason not in REJECTION_REASONS:
-            raise ValueError(f"unknown rejection reason {reason!r}")
-        super().__init__(detail)
-        self.reason = reason
+from fedprivacy.updates import REJECTION_REASONS, SparseUpdate
 
 
 @dataclass
@@ -151,7 +89,7 @@ class PrivateSum:
         self.stats = AggregationStats()
 
     def reject(self, reason: str, source: object = "?", detail: str = "") -> None:
-        """Count a reply that contributes zero (one of :data:`REJECTION_REASONS`)."""
+        """Count a reply that contributes zero (one of :data:`~fedprivacy.updates.REJECTION_REASONS`)."""
         if reason not in REJECTION_REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
         self.stats.received += 1

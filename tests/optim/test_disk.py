@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedprivacy.optim.disk import DiskFilter, disk_coefficient, disk_combination
-from fedprivacy.privacy.aggregation import SparseUpdate
+from fedprivacy.updates import SparseUpdate
 
 
 

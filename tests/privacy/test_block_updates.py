@@ -10,7 +10,8 @@ from flwr.app import Array
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.fl.records import _array, _view, model_to_record, record_to_update, update_to_record, vector_to_record
 from fedprivacy.models.logistic import SparseLogisticRegression
-from fedprivacy.privacy.aggregation import PrivateSum, RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum
+from fedprivacy.updates import RejectedUpdate, SparseUpdate
 
 
 def _rows(n=13, vocab=40, seed=0) -> sp.csr_matrix:

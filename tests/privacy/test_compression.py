@@ -16,10 +16,10 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import RESIDUAL, build_client_app
 from fedprivacy.fl.records import load_record_, record_to_arrays, record_to_update
 from fedprivacy.fl.server_app import build_server_app
-from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.run import run
 from fedprivacy.task import load_task
+from fedprivacy.updates import SparseUpdate
 
 D = 60
 

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedprivacy.fl.records import record_to_update, update_to_record
-from fedprivacy.privacy.aggregation import REJECTION_REASONS, PrivateSum, RejectedUpdate, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.client_ledgers import MAX_STEPS_PER_ROUND, MIN_CLIENT_SAMPLING_RATE
 from fedprivacy.privacy.clipping import flat_l2_clip_, l2_norm_bound
+from fedprivacy.updates import REJECTION_REASONS, RejectedUpdate, SparseUpdate
 
 
 def exact_norm(t: torch.Tensor) -> float:

@@ -9,12 +9,13 @@ import torch
 from fedprivacy.config import ConfigError
 from fedprivacy.fl.server_app import build_strategy
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
-from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import (client_noise_std, local_upload_event, privatize_upload_,
                                           released_noise_variance)
 from fedprivacy.run import run
 from fedprivacy.task import load_task
+from fedprivacy.updates import SparseUpdate
 
 D, Z, C, M = 200_000, 1.5, 2.0, 8
 

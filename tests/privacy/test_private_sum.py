@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from fedprivacy.privacy.aggregation import PrivateSum, SparseUpdate
+from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.clipping import flat_l2_clip_
 from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.updates import SparseUpdate
 
 
 def test_clip_bounds_norm_preserves_direction_and_short_vectors():

@@ -7,8 +7,8 @@ import torch
 
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.adaptive_clipping import value_noise_multiplier
-from fedprivacy.privacy.aggregation import SparseUpdate
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+from fedprivacy.updates import SparseUpdate
 
 
 def _mechanism(**kw):
