@@ -49,7 +49,7 @@ DP-MicroAdam's rounding. Nothing draws from the global torch RNG. The noise gene
 model's device (a CUDA run draws its noise there); sampling and partition stay on the CPU.
 
 On a GPU the step loops do not wait for the device: batches go to it with ``non_blocking`` copies
-and the batch losses stay there until the run ends (:func:`~fedprivacy.devices.host_floats`).
+and the batch losses stay there until the run ends (:func:`~fedprivacy.client.tensors.host_floats`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ model serves every client of a round without a full copy. A model that defines `
 block-sparse; the shared model is never written.
 
 The batch loops never wait for the device: batches go to it with ``non_blocking`` copies and
-the losses stay there until the client is done (:func:`~fedprivacy.devices.host_floats`), so on
+the losses stay there until the client is done (:func:`~fedprivacy.client.tensors.host_floats`), so on
 a GPU the host queues work ahead instead of synchronising at every batch.
 
 References: McMahan et al. 2017, arXiv:1602.05629v4, Alg. 1 (ClientUpdate).
