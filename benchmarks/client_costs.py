@@ -30,7 +30,7 @@ from fedprivacy.engines.inprocess import InProcessGrid  # noqa: E402
 from fedprivacy.fl.client_app import build_client_app  # noqa: E402
 from fedprivacy.fl.records import model_to_record, record_to_update  # noqa: E402
 from fedprivacy.privacy.aggregation import PrivateSum  # noqa: E402
-from fedprivacy.task import ensure_data, load_task  # noqa: E402
+from fedprivacy.stackoverflow_tasks import ensure_data, load_task  # noqa: E402
 
 
 def _ms_per(n: int, fn) -> float:

@@ -46,7 +46,7 @@ from fedprivacy.config import build_config
 from fedprivacy.engines.cohorts import chunk_size, chunks_by_size
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.run import run
-from fedprivacy.task import NextWordTask
+from fedprivacy.stackoverflow_tasks import NextWordTask
 
 MLP_WIDTHS = {"mlp-2k": 32, "mlp-19k": 256, "mlp-77k": 1024}
 

@@ -39,7 +39,7 @@ def _child(mode: str, path: Path, fmt: str, subset: int, cache: Path) -> dict:
     from fedprivacy.config import DataConfig
     from fedprivacy.data.prepared import prepared_tags
     from fedprivacy.data.sources import open_source
-    from fedprivacy.task import load_task
+    from fedprivacy.stackoverflow_tasks import load_task
 
     if mode in ("full", "memory", "stream"):
         source = open_source(fmt, path)

@@ -75,7 +75,7 @@ def worker_bare(rounds: int, data: Path, clients: int) -> dict:
     from bare_loop import bare_dp_fedavg
 
     from fedprivacy.privacy.sampling import make_sampler
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     cfg = _config("inprocess", rounds, data, Path("unused"), 100, clients)
     torch.set_num_threads(1)

@@ -96,7 +96,7 @@ def opacus_steps(model: nn.Module, dataset: TensorDataset, batch: int, steps: in
 def _tag_setup(n: int, data: Path):
     """``n`` synthetic tag records (CSR), their labels, and the full-size model with small random weights."""
     from fedprivacy.config import build_config
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     cfg = build_config({"data": {"path": str(data)}, "output_dir": "unused"})
     ensure_data(cfg.data)
@@ -158,7 +158,7 @@ def bench_next_word(args) -> dict:
     from fedprivacy.config import build_config
     from fedprivacy.models.lstm import NextWordLSTM
     from fedprivacy.optim.sample_dp import SampleDPConfig
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     dcfg = build_config({"data": {"path": str(args.data), "task": "next_word"}, "output_dir": "unused"})
     ensure_data(dcfg.data)

@@ -76,7 +76,7 @@ def worker_engine(engine: str, rounds: int, data: Path, cohort: int, clients: in
 
 
 def _load(rounds: int, data: Path, cohort: int, clients: int):
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     cfg = _config("inprocess", rounds, data, Path("unused"), cohort, clients)
     ensure_data(cfg.data)

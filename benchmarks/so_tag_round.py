@@ -99,7 +99,7 @@ def worker_bare(rounds: int, data: Path, cohort: int, clients: int) -> dict:
     import torch
     from bare_loop import bare_dp_fedavg
 
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     from fedprivacy.privacy.sampling import make_sampler
 
@@ -121,7 +121,7 @@ def worker_pfl(rounds: int, data: Path, cohort: int, clients: int) -> dict:
     """Export the task's arrays, then run ``pfl_round.py`` in pfl's own venv."""
     import numpy as np
 
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     if not (PFL_VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(PFL_VENV)], check=True)

@@ -19,7 +19,7 @@ from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.outputs import require_checkpoint, run_lock
-from fedprivacy.task import ensure_data, load_task
+from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ preconditioner), on features and labels that are numpy arrays or tensors. The fo
 ``aten::lstm`` has no ``vmap`` batching rule, so its batched forward writes the LSTM cell out in
 matmuls with its own backpropagation through time (:class:`LSTMRecurrence`, :func:`lstm_forward`).
 The loss is ``vmap``-ed with the forward when the task's loss allows it (tensor ops only), else
-called once per client on the stacked logits (e.g. :meth:`fedprivacy.task.NextWordTask.loss`,
+called once per client on the stacked logits (e.g. :meth:`fedprivacy.stackoverflow_tasks.NextWordTask.loss`,
 which reads its targets through numpy).
 """
 

@@ -558,7 +558,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     kill and restart SuperNodes).
     """
     from fedprivacy.outputs import CHECKPOINT, RunExistsError
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     ensure_data(cfg.data)
     population = load_task(cfg.data).population

@@ -53,7 +53,8 @@ from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.records import load_record_, update_to_record
 from fedprivacy.models.lstm import NextWordLSTM
-from fedprivacy.task import Task, load_task
+from fedprivacy.stackoverflow_tasks import load_task
+from fedprivacy.task import Task
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ class InProcessGrid(Grid):
                  cohort: CohortTrainer | None = None) -> None:
         """``prefetch(partitions)``, if given, is called with the partitions a batch of ``train``
         messages is addressed to when the batch is pushed, before any of them runs (the task's
-        read-ahead of those clients' data: :meth:`fedprivacy.task.TagPredictionTask.prefetch`).
+        read-ahead of those clients' data: :meth:`fedprivacy.stackoverflow_tasks.TagPredictionTask.prefetch`).
         ``processes > 1`` forks ``processes - 1`` workers now (:mod:`.processes`) that run
         ClientApps alongside this process; :meth:`close` stops them. ``cohort`` answers the batches
         of ``train`` messages it handles (module docstring)."""

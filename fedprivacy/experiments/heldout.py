@@ -21,7 +21,7 @@ from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.data.prepared import prepared_tags, prepared_tokens
 from fedprivacy.data.sources import file_identity, open_source
 from fedprivacy.experiments.study import heldout_name
-from fedprivacy.task import BUILTIN_TASKS, cache_root, load_task
+from fedprivacy.stackoverflow_tasks import BUILTIN_TASKS, cache_root, load_task
 
 HELDOUT_FILE = "heldout.json"
 FINAL_MODEL = "final_model.pt"

@@ -235,7 +235,7 @@ class SweepResult:
 
 def prepare_data(specs: list[RunSpec]) -> None:
     """Generate missing synthetic data and fill the preprocessing cache once, before any worker starts."""
-    from fedprivacy.task import ensure_data, load_task
+    from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     seen: set[str] = set()
     for spec in specs:

@@ -45,7 +45,7 @@ from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
 from fedprivacy.fl.records import arrays_to_record, load_record_, record_to_arrays, record_to_vector, update_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import node_side_information
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 if TYPE_CHECKING:
     from fedprivacy.optim.sample_dp import SampleDPConfig

@@ -43,7 +43,8 @@ from fedprivacy.privacy.calibration import calibrate_noise_multiplier
 from fedprivacy.privacy.mechanism import AdaptiveClipping
 from fedprivacy.privacy.noise import torch_seed
 from fedprivacy.privacy.release_log import ReleaseLog
-from fedprivacy.task import Task, data_provenance, ensure_data, load_task
+from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
+from fedprivacy.task import Task
 
 log = logging.getLogger(__name__)
 

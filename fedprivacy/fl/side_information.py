@@ -35,7 +35,7 @@ from fedprivacy.data.stackoverflow import read_word_counts
 from fedprivacy.fl.records import record_nbytes, record_to_tensors, tensors_to_record
 from fedprivacy.optim.adadps import (ADADPS_STREAM, SideInformation, by_frequency, inverse_tfidf, public_batches,
                                      rmsprop_preconditioner, second_moments, two_level)
-from fedprivacy.task import WORD_COUNT
+from fedprivacy.stackoverflow_tasks import WORD_COUNT
 
 log = logging.getLogger(__name__)
 

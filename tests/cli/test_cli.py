@@ -14,7 +14,7 @@ import yaml
 
 from fedprivacy.cli import main
 from fedprivacy.config import DataConfig, RunConfig, load_config
-from fedprivacy.task import data_provenance, may_generate
+from fedprivacy.stackoverflow_tasks import data_provenance, may_generate
 
 REPO = Path(__file__).resolve().parents[2]
 

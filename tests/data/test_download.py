@@ -20,7 +20,7 @@ from fedprivacy.cli import main
 from fedprivacy.config import DataConfig
 from fedprivacy.data import download as dl
 from fedprivacy.data.synthetic import generate
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 CLIENTS = 8
 

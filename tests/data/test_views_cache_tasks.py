@@ -18,7 +18,7 @@ from fedprivacy.data.sources import open_source
 from fedprivacy.data.synthetic import SyntheticFiles
 from fedprivacy.data.views import natural, sample_clients, split_by_position
 from fedprivacy.models.metrics import recall_at_k_counts
-from fedprivacy.task import MultiLabelTagTask, NextWordTask, TagPredictionTask, load_task
+from fedprivacy.stackoverflow_tasks import MultiLabelTagTask, NextWordTask, TagPredictionTask, load_task
 
 
 def test_partitions_by_hand() -> None:
@@ -229,7 +229,7 @@ def test_stream_writer_empty_and_retyped_arrays(tmp_path: Path) -> None:
 def test_take_cuts_csr_row_ranges_exactly_as_scipy_into_private_copies():
     import scipy.sparse as sp
 
-    from fedprivacy.task import _take
+    from fedprivacy.stackoverflow_tasks import _take
 
     m = sp.random(30, 12, density=0.3, format="csr", dtype=np.float32, random_state=0)
     for rows in (slice(0, 30), slice(3, 9), slice(7, 7), slice(29, 30), slice(10, None)):

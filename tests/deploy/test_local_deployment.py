@@ -61,7 +61,7 @@ def _inprocess_with_dropouts(cfg, dropped: dict[int, set[int]]) -> dict:
     from fedprivacy.engines.inprocess import run_inprocess
     from fedprivacy.fl.client_app import build_client_app
     from fedprivacy.fl.server_app import build_server_app
-    from fedprivacy.task import load_task
+    from fedprivacy.stackoverflow_tasks import load_task
 
     inner = build_client_app(cfg)
 

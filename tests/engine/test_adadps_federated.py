@@ -13,7 +13,7 @@ from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.records import tensors_to_record
 from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 
 def _final(cfg) -> torch.Tensor:

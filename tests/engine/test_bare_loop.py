@@ -9,7 +9,7 @@ import torch
 
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bare_loop import bare_dp_fedavg  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.run import run
-from fedprivacy.task import NextWordTask, load_task
+from fedprivacy.stackoverflow_tasks import NextWordTask, load_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bare_next_word import bare_next_word_dp_fedavg  # noqa: E402

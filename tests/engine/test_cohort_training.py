@@ -20,7 +20,7 @@ from fedprivacy.engines.cohorts import AUTO_MIN_COHORT, cohort_trainer
 from fedprivacy.engines.inprocess import InProcessGrid
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.run import run
-from fedprivacy.task import NextWordTask, load_task
+from fedprivacy.stackoverflow_tasks import NextWordTask, load_task
 
 MLP_TASK = textwrap.dedent('''
     """A user's task with a small MLP: 24 users of 1 to 47 examples (one user with fewer than a batch)."""

@@ -17,7 +17,7 @@ from fedprivacy.client.sample_dp import run_sample_dp, train_sample_dp, train_sa
 from fedprivacy.optim.sample_dp import SampleDPConfig
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")]

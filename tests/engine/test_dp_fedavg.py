@@ -22,7 +22,7 @@ from fedprivacy.outputs import RunExistsError
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 
 def _flat(path) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 
 from fedprivacy.fl.server_app import initial_model
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 
 def _flat(state: dict) -> torch.Tensor:

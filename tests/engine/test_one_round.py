@@ -17,7 +17,7 @@ from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.outputs import load_checkpoint
 from fedprivacy.privacy.mechanism import AdaptiveClipping
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 CASES = {
     "dp-fedavgm, poisson": ((), dict(optimizer="sgd", lr=1.0, optimizer_settings={"momentum": 0.9})),  # sgd: 0.9

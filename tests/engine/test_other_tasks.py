@@ -8,7 +8,7 @@ import torch
 
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from fedprivacy.engines.processes import WORKER_DIED
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 
 def _identity() -> None:

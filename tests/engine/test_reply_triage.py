@@ -9,7 +9,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedprivacy.fl.records import reply_content, reply_to_update, update_to_record, vector_to_record
 from fedprivacy.fl.server_app import DPFedAvgServer
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 
 LAYOUT = {"weight": (3, 4), "bias": (3,)}

@@ -9,7 +9,7 @@ from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.records import model_to_record, record_to_update
 from fedprivacy.optim.disk import disk_coefficient
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 
 def _final(cfg):

@@ -9,7 +9,7 @@ from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.engines import cohorts
 from fedprivacy.engines.cohorts import chunks_by_examples, cohort_trainer
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 
 def _random_start(model):

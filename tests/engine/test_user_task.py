@@ -8,7 +8,8 @@ import pytest
 
 from fedprivacy.config import ConfigError, build_config
 from fedprivacy.run import run
-from fedprivacy.task import Task, load_task
+from fedprivacy.stackoverflow_tasks import load_task
+from fedprivacy.task import Task
 
 USER_TASK = textwrap.dedent('''
     """A toy task a user writes: 30 users, 2-D points, label = sign of the first coordinate."""

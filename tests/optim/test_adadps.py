@@ -15,7 +15,7 @@ from fedprivacy.fl.side_information import SideInformationBroadcast, build_side_
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.optim.adadps import (by_frequency, inverse_tfidf, public_batches, rmsprop_preconditioner,
                                      second_moments, two_level)
-from fedprivacy.task import WORD_COUNT, load_task
+from fedprivacy.stackoverflow_tasks import WORD_COUNT, load_task
 
 V, K = 12, 4
 

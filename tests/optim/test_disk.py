@@ -153,7 +153,7 @@ def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_con
     filter, E[v_hat] = s^2 + V_t with V_t ~ 0.54 Phi; DP-FedAdamBC must subtract V_t, so v_hat - V_t
     estimates s^2 and few coordinates hit the floor (subtracting Phi floors every one of them)."""
     from fedprivacy.fl.server_app import DPFedAvgServer
-    from fedprivacy.task import load_task
+    from fedprivacy.stackoverflow_tasks import load_task
 
     torch.set_default_dtype(torch.float32)  # the strategy's model travels as float32 (the fixture restores it)
     m, clip, s = 8, 100.0, 0.3  # |u| = 0.3 sqrt(d) = 95 < C: unclipped; z = 0.08 >= 2^-6

@@ -18,7 +18,7 @@ from fedprivacy.fl.records import load_record_, record_to_arrays, record_to_upda
 from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.updates import SparseUpdate
 
 D = 60

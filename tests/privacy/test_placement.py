@@ -14,7 +14,7 @@ from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import (client_noise_std, local_upload_event, privatize_upload_,
                                           released_noise_variance)
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.updates import SparseUpdate
 
 D, Z, C, M = 200_000, 1.5, 2.0, 8

@@ -19,7 +19,7 @@ from fedprivacy.privacy.client_ledgers import event_from_metrics, event_metrics
 from fedprivacy.privacy.accounting import GaussianRound
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 V, K = 7, 3
 

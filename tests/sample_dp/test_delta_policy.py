@@ -18,7 +18,7 @@ from fedprivacy.optim.sample_dp import SampleDPConfig
 from fedprivacy.privacy.accounting import GaussianRound, epsilon, epsilon_for, json_epsilon
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.run import run
-from fedprivacy.task import load_task
+from fedprivacy.stackoverflow_tasks import load_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")
 
