@@ -24,9 +24,10 @@ rounding (batched ``bmm`` kernels sum in another order).
 Supported (:func:`unsupported_reason` says why not otherwise): dense models without buffers,
 dropout or tied parameters, trained with plain SGD (no momentum, no per-client optimizer state, no AdaDPS
 preconditioner), on features and labels that are numpy arrays or tensors. The forward is
-``torch.func.functional_call`` of the model, except for :class:`~fedprivacy.models.lstm.NextWordLSTM`:
-``aten::lstm`` has no ``vmap`` batching rule, so its batched forward writes the LSTM cell out in
-matmuls with its own backpropagation through time (:class:`LSTMRecurrence`, :func:`lstm_forward`).
+the model's own ``vmap_forward(params, features)`` when it offers one, else ``torch.func.functional_call``
+of the model: ``aten::lstm`` has no ``vmap`` batching rule, so :class:`~fedprivacy.models.lstm.NextWordLSTM`
+offers its forward with the LSTM cell written out in matmuls and its own backpropagation through time
+(:meth:`~fedprivacy.models.lstm.NextWordLSTM.vmap_forward`).
 The loss is ``vmap``-ed with the forward when the task's loss allows it (tensor ops only), else
 called once per client on the stacked logits (e.g. :meth:`fedprivacy.stackoverflow_tasks.NextWordTask.loss`,
 which reads its targets through numpy).
@@ -41,92 +42,21 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.nn import functional as F
 
 from fedprivacy.client.trainer import LocalResult
-from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.updates import SparseUpdate
 
 Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 """One client's forward: ``forward(parameters by name, features batch) -> logits``."""
 
 
-class LSTMRecurrence(torch.autograd.Function):
-    """One LSTM layer's recurrence from its input projections, with backpropagation through time
-    written out (``vmap``-able: ``generate_vmap_rule``).
-
-    .. math:: (i, f, g, o) = z_t + h_{t-1} W_{hh}^\\top + b_{hh},\\quad
-              c_t = \\sigma(f) c_{t-1} + \\sigma(i) \\tanh(g),\\quad h_t = \\sigma(o) \\tanh(c_t)
-
-    with :math:`z_t = x_t W_{ih}^\\top + b_{ih}` given and :math:`h_0 = c_0 = 0` (the equations of
-    ``torch.nn.LSTM``, gate order ``i, f, g, o``). Autograd through the loop would form
-    :math:`\\partial W_{hh}` as a sum of ``seq_len`` rank-``batch`` products; the backward here
-    forms it as one product over all steps, :math:`\\sum_t \\delta z_t^\\top h_{t-1}`, as the
-    fused ``aten::lstm`` kernel does (2.4x faster for the next-word LSTM's recurrence).
-    ``forward(z (batch, seq_len, 4H), W_hh (4H, H), b_hh (4H)) -> (h, c, activated gates)``,
-    each per step; only ``h`` is differentiable.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(inputs: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor):
-        h = c = inputs.new_zeros(inputs.shape[0], w_hh.shape[1])
-        hidden, cells, gates = [], [], []
-        for t in range(inputs.shape[1]):
-            i, f, g, o = (inputs[:, t] + F.linear(h, w_hh, b_hh)).chunk(4, dim=1)
-            i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
-            c = f * c + i * g
-            h = o * torch.tanh(c)
-            hidden.append(h)
-            cells.append(c)
-            gates.append(torch.cat([i, f, g, o], dim=1))
-        return torch.stack(hidden, 1), torch.stack(cells, 1), torch.stack(gates, 1)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        hidden, cells, gates = output
-        ctx.save_for_backward(inputs[1], hidden, cells, gates)
-        ctx.mark_non_differentiable(cells, gates)
-
-    @staticmethod
-    def backward(ctx: Any, d_hidden: torch.Tensor, _d_cells: torch.Tensor, _d_gates: torch.Tensor):
-        w_hh, hidden, cells, gates = ctx.saved_tensors
-        steps, size = hidden.shape[1], hidden.shape[2]
-        i, f, g, o = gates.chunk(4, dim=2)
-        tanh_c = torch.tanh(cells)
-        dh = dc = hidden.new_zeros(hidden.shape[0], size)
-        dz = [None] * steps
-        for t in reversed(range(steps)):
-            dh = d_hidden[:, t] + dh
-            dc = dc + dh * o[:, t] * (1 - tanh_c[:, t] ** 2)
-            c_prev = cells[:, t - 1] if t else torch.zeros_like(dc)
-            it, ft, gt, ot = i[:, t], f[:, t], g[:, t], o[:, t]
-            dz[t] = torch.cat([dc * gt * it * (1 - it), dc * c_prev * ft * (1 - ft), dc * it * (1 - gt ** 2),
-                               dh * tanh_c[:, t] * ot * (1 - ot)], dim=1)
-            dc = dc * ft
-            dh = dz[t] @ w_hh
-        dz = torch.stack(dz, 1)
-        h_prev = torch.cat([hidden.new_zeros(hidden.shape[0], 1, size), hidden[:, :-1]], dim=1)
-        return dz, dz.flatten(0, 1).t() @ h_prev.flatten(0, 1), dz.sum((0, 1))
-
-
-def lstm_forward(params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """:class:`NextWordLSTM`'s forward through :class:`LSTMRecurrence` (``vmap``-able, unlike
-    ``aten::lstm``): embedding, LSTM, projection and output layers. ``tokens``: int ids
-    ``(batch, seq_len)``; returns logits ``(batch, seq_len, V + 4)``."""
-    embedded = F.embedding(tokens, params["embedding.weight"])
-    inputs = F.linear(embedded, params["lstm.weight_ih_l0"], params["lstm.bias_ih_l0"])
-    hidden = LSTMRecurrence.apply(inputs, params["lstm.weight_hh_l0"], params["lstm.bias_hh_l0"])[0]
-    projected = F.linear(hidden, params["projection.weight"], params["projection.bias"])
-    return F.linear(projected, params["output.weight"], params["output.bias"])
-
-
 def batched_forward(model: nn.Module) -> Forward:
-    """The per-client forward that :func:`train_cohort` vectorises: :func:`lstm_forward` for the
-    next-word LSTM, ``functional_call(model, params, (x,))`` for any other model."""
-    if type(model) is NextWordLSTM:
-        return lstm_forward
+    """The per-client forward that :func:`train_cohort` vectorises: the model's ``vmap_forward`` if it
+    offers one (e.g. :meth:`~fedprivacy.models.lstm.NextWordLSTM.vmap_forward`), else
+    ``functional_call(model, params, (x,))``."""
+    own: Forward | None = getattr(model, "vmap_forward", None)
+    if own is not None:
+        return own
     return lambda params, x: functional_call(model, params, (x,), tie_weights=False)  # none tied: checked
 
 
@@ -140,8 +70,8 @@ def unsupported_reason(model: nn.Module, features: Any = None, labels: Any = Non
         return f"{type(model).__name__} has buffers (per-client state such as batch-norm statistics)"
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         return f"{type(model).__name__} has dropout (random per client)"
-    if type(model) is not NextWordLSTM and any(isinstance(m, nn.RNNBase) for m in model.modules()):
-        return "torch's recurrent layers have no vmap batching rule"
+    if not hasattr(model, "vmap_forward") and any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        return "torch's recurrent layers have no vmap batching rule (and the model offers no vmap_forward)"
     for name, values in (("features", features), ("labels", labels)):
         if values is not None and not isinstance(values, (np.ndarray, torch.Tensor)):
             return f"client {name} are {type(values).__name__}, not numpy arrays or tensors"

@@ -18,6 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+from fedprivacy.models.lstm_recurrence import LSTMRecurrence
 
 
 class NextWordLSTM(nn.Module):
@@ -37,3 +40,16 @@ class NextWordLSTM(nn.Module):
                             else tokens).to(device, non_blocking=True).long()  # need not wait for the device
         hidden, _ = self.lstm(self.embedding(x))
         return self.output(self.projection(hidden))
+
+    @staticmethod
+    def vmap_forward(params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` as a function of the parameters by name, ``vmap``-able (unlike ``aten::lstm``):
+        the LSTM layer runs through :class:`~fedprivacy.models.lstm_recurrence.LSTMRecurrence`. How a
+        cohort of this model trains together (:mod:`fedprivacy.client.cohort_training`); a subclass that
+        changes :meth:`forward` must change this too. ``tokens``: int ids ``(batch, seq_len)`` (a tensor);
+        returns logits ``(batch, seq_len, num_classes)``."""
+        embedded = F.embedding(tokens, params["embedding.weight"])
+        inputs = F.linear(embedded, params["lstm.weight_ih_l0"], params["lstm.bias_ih_l0"])
+        hidden = LSTMRecurrence.apply(inputs, params["lstm.weight_hh_l0"], params["lstm.bias_hh_l0"])[0]
+        projected = F.linear(hidden, params["projection.weight"], params["projection.bias"])
+        return F.linear(projected, params["output.weight"], params["output.bias"])

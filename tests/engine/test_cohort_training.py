@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from fedprivacy.client.cohort_training import lstm_forward, train_cohort, unsupported_reason
+from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.config import ConfigError, build_config
 from fedprivacy.data.next_word import special_tokens
@@ -121,7 +121,7 @@ def test_the_batched_lstm_and_its_backpropagation_through_time_are_torchs_lstm()
     tokens = torch.randint(0, 30, (3, 9))
     weights = torch.randn(3, 9, 30, dtype=torch.float64)
     params = dict(model.named_parameters())
-    ours, torchs = lstm_forward(params, tokens), model(tokens)
+    ours, torchs = model.vmap_forward(params, tokens), model(tokens)
     assert torch.allclose(ours, torchs, atol=1e-12)
     for a, b in zip(torch.autograd.grad((ours * weights).sum(), list(params.values())),
                     torch.autograd.grad((torchs * weights).sum(), list(params.values()))):
