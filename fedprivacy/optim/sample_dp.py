@@ -48,7 +48,8 @@ is for add/remove of one UNIT. The per-coordinate noise on ``g_t`` is σC/B with
 units (4x larger than per-sample DP-SGD's at 16 units of 4, notes/adadps.md §9 item 6).
 
 Privacy: MECHANISM stage (per-unit clip, one dense draw of N(0, σ²C²) per parameter tensor from a
-dedicated generator); the DiSK filter and every base optimizer see only ``g_t`` (post-processing).
+dedicated generator); the DiSK filter and every base optimizer see only ``g_t`` (post-processing: the
+server's own step, :class:`~fedprivacy.optim.server_step.ServerStep`, with the base optimizer in it).
 ``A``, γ, κ and ``Phi`` are public.
 
 References:
@@ -64,7 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import torch
 from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _mark_as_processed
@@ -72,9 +73,10 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.optim import Optimizer
 
 from fedprivacy.optim.adambc import ServerAdamBC
-from fedprivacy.privacy.placement import dp_noise_variance
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.microadam import ServerMicroAdam
+from fedprivacy.optim.server_step import ServerStep
+from fedprivacy.privacy.placement import dp_noise_variance
 
 BaseName = Literal["sgd", "adam", "adambc", "microadam"]
 
@@ -138,6 +140,38 @@ class FlatDescent(Optimizer):
         self.inner.load_state_dict(state_dict["inner"])
 
 
+class _GradientStep:
+    """A torch optimizer as :class:`~fedprivacy.optim.server_step.ServerStep`'s optimizer.
+
+    ``step_(x, g)`` puts the flat ``g`` (``parameters_to_vector`` order) in the parameters' ``.grad``, takes
+    the torch optimizer's step and reads the parameters back into ``x``. Here ``g`` is a gradient (the torch
+    optimizer descends) where the server's optimizers ascend a pseudo-gradient; the rest of ServerStep (DiSK's
+    filter, linear; its ``V_t``; the record of the move) is the same either way.
+    """
+
+    def __init__(self, optimizer: Optimizer, params: list[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.params = params
+
+    def step_(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        _assign_(cast(list[torch.Tensor], [p.grad for p in self.params]), grad)  # pre_step set every .grad
+        self.optimizer.step()
+        params.copy_(parameters_to_vector(self.params))
+
+    def set_phi(self, phi: float) -> None:
+        """DP-AdamBC's Phi (a :class:`FlatDescent` over :class:`~fedprivacy.optim.adambc.ServerAdamBC`); other
+        bases do not subtract the noise variance."""
+        inner = getattr(self.optimizer, "inner", None)
+        if isinstance(inner, ServerAdamBC):
+            inner.set_phi(phi)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
 class SampleDPOptimizer(DPOptimizer):
     """Opacus ``DPOptimizer`` with AdaDPS preconditioning, micro-batch units, an exact clip and DiSK (module docstring).
 
@@ -179,7 +213,12 @@ class SampleDPOptimizer(DPOptimizer):
                                      f"broadcast to its parameter's shape {tuple(p.shape)}")
         self.preconditioner = preconditioner
         self.micro_batch_size = micro_batch_size
-        self.disk = disk
+        self.post_processing = ServerStep(_GradientStep(optimizer, self.params), disk)
+        """What follows the release: DiSK's filter, DP-AdamBC's Phi, the base step (the server's post-processing)."""
+
+    @property
+    def disk(self) -> DiskFilter | None:
+        return self.post_processing.disk
 
     def unit_gradients(self) -> list[torch.Tensor]:
         """Per-unit gradients ``u_j`` (before clipping): micro-batch means of ``grad_sample / A``."""
@@ -272,7 +311,7 @@ class SampleDPOptimizer(DPOptimizer):
             _assign_(points, ahead)
             self._load_clipped_sum(combined_clipped_sum(points, self.disk.c))
         if self.pre_step():  # clip (nothing left), noise, divide by B, accountant hook: ONE step
-            self._base_step()
+            self._post_process()
 
     def _two_point_grad_samples(self, closure: Callable[[], float]) -> float:
         """DiSK line 5 before the clip: per-sample ``c g(x + gamma d) + (1 - c) g(x)`` as ONE batch."""
@@ -315,25 +354,16 @@ class SampleDPOptimizer(DPOptimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.pre_step():  # clip, noise, divide by B, accountant hook
-            self._base_step()
+            self._post_process()
         return loss
 
-    def _base_step(self) -> None:
-        """The base step on the noised ``p.grad``; with DiSK, first the filter, and after it ``d_t`` is recorded."""
-        if self.disk is None:
-            self.original_optimizer.step()
-            return
-        with torch.no_grad():
-            grads = [p.grad for p in self.params]
-            phi = dp_noise_variance(self.noise_multiplier, self.max_grad_norm, self.expected_batch_size)
-            _assign_(grads, self.disk.filter_(torch.cat([g.reshape(-1) for g in grads]), phi))
-            inner = getattr(self.original_optimizer, "inner", None)
-            if isinstance(inner, ServerAdamBC):  # DP-AdamBC subtracts the FILTERED noise variance V_t
-                inner.set_phi(self.disk.noise_variance)
-            before = parameters_to_vector(self.params)
-        self.original_optimizer.step()
-        with torch.no_grad():
-            self.disk.record_(parameters_to_vector(self.params) - before)
+    @torch.no_grad()
+    def _post_process(self) -> None:
+        """:meth:`ServerStep.apply_ <fedprivacy.optim.server_step.ServerStep.apply_>` on the noised ``g_t`` in
+        ``p.grad``, whose per-coordinate noise variance is ``Phi = (sigma C / B)^2``: DiSK's filter (if any),
+        DP-AdamBC's Phi (``V_t`` under DiSK), the base step, DiSK's record of ``d_t``."""
+        self.post_processing.apply_(parameters_to_vector(self.params), torch.cat([p.grad.reshape(-1) for p in self.params]),
+                                    dp_noise_variance(self.noise_multiplier, self.max_grad_norm, self.expected_batch_size))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 r"""The server's post-processing of a released ``g_t``: DiSK's filter (optional), then the optimizer.
 
-Shared by fedprivacy's server (:class:`fedprivacy.fl.server_app.DPFedAvgServer`) and the Flower
-strategy (:class:`fedprivacy.fl.strategy.DPFedAvg`), so both run exactly this step (invariant 6: it
-sees the released ``g_t`` and public constants only, so it costs no privacy):
+Shared by fedprivacy's server (:class:`fedprivacy.fl.server_app.DPFedAvgServer`), the Flower
+strategy (:class:`fedprivacy.fl.strategy.DPFedAvg`) and the record-level optimizers
+(:class:`fedprivacy.optim.sample_dp.SampleDPOptimizer`, on each step's noised gradient), so all run exactly
+this step (invariant 6: it sees the released ``g_t`` and public constants only, so it costs no privacy):
 
 .. math::
     \tilde g_t &= (1-\kappa)\,\tilde g_{t-1} + \kappa\, g_t, \qquad
@@ -11,7 +12,8 @@ sees the released ``g_t`` and public constants only, so it costs no privacy):
 
 (Zhang et al. 2024, arXiv:2410.03883, Alg. 3; :mod:`fedprivacy.optim.disk`). Without DiSK,
 ``g~ = g`` and ``V_t = Phi_t``. DP-FedAdamBC (Tang et al. 2024, Eq. 4; :mod:`fedprivacy.optim.adambc`)
-subtracts the noise variance of what it is fed: ``Phi_t`` for ``g_t``, the filter's ``V_t`` under DiSK.
+subtracts the noise variance of what it is fed: ``Phi_t`` for ``g_t``, the filter's ``V_t`` under DiSK; it
+is told through ``set_phi``, which any optimizer that subtracts it has.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import Any
 
 import torch
 
-from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import ServerOptimizer
 
@@ -29,7 +30,8 @@ class ServerStep:
     """DiSK's filter if ``disk`` is given, DP-FedAdamBC's Phi, the optimizer step, DiSK's record of it.
 
     Args:
-        optimizer: any server optimizer (:func:`fedprivacy.optim.factory.make_server_optimizer`).
+        optimizer: any server optimizer (:func:`fedprivacy.optim.factory.make_server_optimizer`); one with
+            ``set_phi(phi)`` (:class:`~fedprivacy.optim.adambc.ServerAdamBC`) is told the noise variance first.
         disk: the DiSK filter, or None for the optimizer alone.
     """
 
@@ -47,8 +49,9 @@ class ServerStep:
         if self.disk is not None:
             g = self.disk.filter_(g, phi)
             phi = self.disk.noise_variance
-        if isinstance(self.optimizer, ServerAdamBC):
-            self.optimizer.set_phi(phi)
+        set_phi = getattr(self.optimizer, "set_phi", None)  # DP-FedAdamBC subtracts phi
+        if set_phi is not None:
+            set_phi(phi)
         if self.disk is None:
             self.optimizer.step_(params, g)
             return
