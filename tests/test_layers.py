@@ -1,5 +1,5 @@
 """Imports point downward only (ARCHITECTURE "Layers"): checked on the source, every import statement
-(module level and inside functions) of every module."""
+(module level, inside functions and under ``TYPE_CHECKING``) of every module of the package."""
 
 import ast
 from pathlib import Path
@@ -8,46 +8,98 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "fedprivacy"
 
+LAYERS: dict[str, tuple[str, ...]] = {
+    # each part of the package -> the parts it may import directly (and, through them, what they may import)
+    "fedprivacy.updates": (),  # the update a client sends and why a reply is rejected
+    "fedprivacy.task": (),  # the Task protocol
+    "fedprivacy.locks": (),
+    "fedprivacy.privacy": ("fedprivacy.updates",),  # core: no config, no Flower
+    "fedprivacy.optim": ("fedprivacy.privacy",),
+    "fedprivacy.models": (),
+    "fedprivacy.data": (),
+    "fedprivacy.client": ("fedprivacy.optim", "fedprivacy.models"),
+    "fedprivacy.centralized": ("fedprivacy.client",),
+    "fedprivacy.config": ("fedprivacy.optim",),  # the typed config checks against privacy/ and optim/
+    "fedprivacy.devices": ("fedprivacy.config",),
+    "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks"),
+    "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task"),
+    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs"),  # Flower
+    "fedprivacy.engines": ("fedprivacy.fl",),
+    "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),
+    "fedprivacy.audit": ("fedprivacy.engines",),
+    "fedprivacy.deploy": ("fedprivacy.fl",),
+    "fedprivacy.experiments": ("fedprivacy.run",),
+    "fedprivacy.cli": ("fedprivacy.experiments", "fedprivacy.audit", "fedprivacy.deploy", "fedprivacy.centralized"),
+    "fedprivacy.__main__": ("fedprivacy.cli",),
+    "fedprivacy": ("fedprivacy.cli",),  # the package's own __init__: the public API, re-exported
+}
+FLOWER = ("flwr", "ray")
+"""Only Flower's layer and those above it (the parts that may import fedprivacy.fl) may import these."""
 
-def _imports(folder: str) -> dict[str, set[str]]:
-    out = {}
-    for path in sorted((PACKAGE / folder).rglob("*.py")):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-        out[str(path.relative_to(PACKAGE))] = names
-    return out
+
+def _modules() -> dict[str, Path]:
+    return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-_ABOVE_FL = ("fedprivacy.engines", "fedprivacy.experiments", "fedprivacy.cli", "fedprivacy.run", "fedprivacy.deploy",
-             "fedprivacy.audit")
-_ABOVE_CORE = ("fedprivacy.config", "fedprivacy.devices", "fedprivacy.fl", "flwr", "ray") + _ABOVE_FL
+def _part(module: str) -> str | None:
+    """The part of :data:`LAYERS` that ``module`` belongs to (the root ``fedprivacy`` holds its ``__init__`` only)."""
+    if module == "fedprivacy":
+        return module
+    owners = [p for p in LAYERS if p != "fedprivacy" and (module == p or module.startswith(p + "."))]
+    return max(owners, key=len) if owners else None
 
 
-@pytest.mark.parametrize(("folder", "forbidden"), [
-    ("privacy", ("fedprivacy.optim", "fedprivacy.client", "fedprivacy.data", "fedprivacy.models") + _ABOVE_CORE),
-    ("optim", ("fedprivacy.client", "fedprivacy.data", "fedprivacy.models") + _ABOVE_CORE),
-    ("client", ("fedprivacy.data",) + _ABOVE_CORE),
-    ("models", ("fedprivacy.client", "fedprivacy.data", "fedprivacy.optim", "fedprivacy.privacy") + _ABOVE_CORE),
-    ("data", ("fedprivacy.client", "fedprivacy.models", "fedprivacy.optim", "fedprivacy.privacy") + _ABOVE_CORE),
-    ("fl", _ABOVE_FL),
-    ("engines", _ABOVE_FL[1:]),
-    ("deploy", ("fedprivacy.experiments", "fedprivacy.cli", "fedprivacy.audit")),
-    ("experiments", ("fedprivacy.cli",)),
-])
-def test_core_layers_import_nothing_above_them(folder, forbidden):
-    bad = {module: sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
-           for module, names in _imports(folder).items()}
-    assert not {m: n for m, n in bad.items() if n}
+def _reachable(part: str) -> set[str]:
+    seen, todo = {part}, [part]
+    while todo:
+        for below in LAYERS[todo.pop()]:
+            if below not in seen:
+                seen.add(below)
+                todo.append(below)
+    return seen
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module, f"{path}: relative import"
+            names.add(node.module)
+    return names
+
+
+def test_every_module_has_a_layer_and_every_layer_a_module():
+    modules = _modules()
+    assert not [m for m in modules if _part(m) is None]
+    assert not [p for p in LAYERS if not any(_part(m) == p for m in modules)]
+
+
+def test_layers_form_no_cycle():
+    for part in LAYERS:
+        assert not any(part in _reachable(below) for below in LAYERS[part]), part
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_a_module_imports_only_its_own_part_and_the_layers_below(module):
+    part = _part(module)
+    allowed = _reachable(part)
+    may_use_flower = "fedprivacy.fl" in allowed
+    bad = []
+    for name in _imports(_modules()[module]):
+        if name == "fedprivacy" or name.startswith("fedprivacy."):
+            if _part(name) not in allowed:
+                bad.append(name)
+        elif name.split(".")[0] in FLOWER and not may_use_flower:
+            bad.append(name)
+    assert not sorted(bad)
 
 
 def test_no_import_cycle_between_modules():
     """Module-level imports among fedprivacy's modules form no cycle (imports inside functions are lazy)."""
-    modules = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in PACKAGE.rglob("*.py")}
+    modules = _modules()
     graph = {}
     for name, path in modules.items():
         deps = set()
