@@ -1,7 +1,44 @@
 """fedprivacy: federated learning simulations under user-level differential privacy.
 
-Layers (imports point downward only): ``cli``/``run`` -> ``engines`` -> ``fl`` (Flower apps) ->
-core (``privacy``, ``optim``, ``client``, ``data``, ``models``; no Flower imports).
+The public API (README "Your own model"), importable from here or from its package: the DP strategy for
+any Flower ServerApp (:class:`DPFedAvg`) and its mechanism (:class:`GaussianMechanism`); client mods
+(:func:`client_noise_mod`, :func:`topk_uplink_mod`); record-level DP in any ClientApp
+(:func:`make_record_dp`, read on the server by :func:`event_from_metrics`); :class:`AdaDPSOptimizer`;
+fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements.
+Each is imported when first used, so ``import fedprivacy`` stays light.
+
+Layers (imports point downward only; ``tests/test_layers.py``): ``cli`` -> ``experiments``/``run``/``audit``/
+``deploy`` -> ``engines`` -> ``fl`` (Flower) -> the StackOverflow tasks -> ``config`` -> core (``client``,
+``optim``, ``privacy``, ``models``, ``data``; no Flower) -> ``updates``, ``task``.
 """
 
+from typing import TYPE_CHECKING
+
+from fedprivacy.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from fedprivacy.engines.inprocess import run_inprocess
+    from fedprivacy.fl.mods import client_noise_mod, topk_uplink_mod
+    from fedprivacy.fl.record_dp import make_record_dp
+    from fedprivacy.fl.strategy import DPFedAvg
+    from fedprivacy.optim.adadps import AdaDPSOptimizer
+    from fedprivacy.privacy.client_ledgers import event_from_metrics
+    from fedprivacy.privacy.mechanism import GaussianMechanism
+    from fedprivacy.task import Task
+
 __version__ = "0.1.0"
+
+__all__ = ["AdaDPSOptimizer", "DPFedAvg", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
+           "make_record_dp", "run_inprocess", "topk_uplink_mod"]
+
+__getattr__ = lazy_exports(__name__, {
+    "AdaDPSOptimizer": "fedprivacy.optim.adadps",
+    "DPFedAvg": "fedprivacy.fl.strategy",
+    "GaussianMechanism": "fedprivacy.privacy.mechanism",
+    "Task": "fedprivacy.task",
+    "client_noise_mod": "fedprivacy.fl.mods",
+    "event_from_metrics": "fedprivacy.privacy.client_ledgers",
+    "make_record_dp": "fedprivacy.fl.record_dp",
+    "run_inprocess": "fedprivacy.engines.inprocess",
+    "topk_uplink_mod": "fedprivacy.fl.mods",
+})

@@ -13,7 +13,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.updates": (),  # the update a client sends and why a reply is rejected
     "fedprivacy.task": (),  # the Task protocol
     "fedprivacy.locks": (),
-    "fedprivacy.privacy": ("fedprivacy.updates",),  # core: no config, no Flower
+    "fedprivacy.lazy_exports": (),  # the packages' re-exports, imported on first use
+    "fedprivacy.privacy": ("fedprivacy.updates", "fedprivacy.lazy_exports"),  # core: no config, no Flower
     "fedprivacy.optim": ("fedprivacy.privacy",),
     "fedprivacy.models": (),
     "fedprivacy.data": (),

@@ -1,0 +1,21 @@
+"""Flower's layer: fedprivacy's ServerApp and ClientApp, and what any Flower app can use (imported on first use):
+the DP strategy :class:`DPFedAvg`, the client mods :func:`client_noise_mod` and :func:`topk_uplink_mod`, and
+:func:`make_record_dp` for record-level DP in a ClientApp."""
+
+from typing import TYPE_CHECKING
+
+from fedprivacy.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from fedprivacy.fl.mods import client_noise_mod, topk_uplink_mod
+    from fedprivacy.fl.record_dp import make_record_dp
+    from fedprivacy.fl.strategy import DPFedAvg
+
+__all__ = ["DPFedAvg", "client_noise_mod", "make_record_dp", "topk_uplink_mod"]
+
+__getattr__ = lazy_exports(__name__, {
+    "DPFedAvg": "fedprivacy.fl.strategy",
+    "client_noise_mod": "fedprivacy.fl.mods",
+    "make_record_dp": "fedprivacy.fl.record_dp",
+    "topk_uplink_mod": "fedprivacy.fl.mods",
+})
