@@ -170,7 +170,8 @@ class AdaDPSConfig(_Section):
     scale: float = Field(1.0, gt=0.0)
     """A <- scale * A for every source. Where A covers every coordinate (rmsprop with
     ``precondition_bias``) and a client takes one local step, this equals clip_norm * scale with the
-    server lr / scale (notes/adadps.md §9.5); the word rules leave the bias at A = 1."""
+    server lr / scale (the step is Delta / scale, clip(Delta / c, C) = clip(Delta, cC) / c and the noise
+    scales with C; AdaDPS, arXiv:2202.05963v2, App. B, Alg. 3); the word rules leave the bias at A = 1."""
     estimator: Literal["epoch", "recurrence"] = "epoch"
     """rmsprop: the paper code's full pass (v = mean of squared public batch-mean gradients) or the
     paper's recurrence v <- beta v + (1 - beta) g^2 over the same batches."""
@@ -213,7 +214,7 @@ _ADADPS_SETTINGS = {
 
 class CompressionConfig(_Section):
     """Uplink compression with error feedback (DP-MicroAdam's machinery on the client,
-    notes/microadam.md §3 Option B; fedprivacy.client.compression).
+    arXiv:2511.20509, Alg. 1 lines 8-13, applied to client updates; fedprivacy.client.compression).
 
     Each client sends ``s = clip(top_k(Delta + e), C)`` and keeps ``e <- Q(Delta + e - top_k(Delta + e))``
     in its ``Context.state`` across rounds (also rounds it sits out). The server clips and noises as
@@ -247,7 +248,8 @@ class ClientConfig(_Section):
 
 
 class DiskConfig(_Section):
-    """Server-side DiSK (Zhang et al. 2024, arXiv:2410.03883; notes/disk.md §2.2)."""
+    """Server-side DiSK (Zhang et al. 2024, arXiv:2410.03883, Alg. 3, on the clients' pseudo-gradients;
+    fedprivacy.optim.disk)."""
 
     kappa: float = Field(0.7, gt=0.0, le=1.0)
     """Filter gain: g~ <- (1 - kappa) g~ + kappa g. kappa = 1 is the base optimizer."""
@@ -262,7 +264,7 @@ class DiskConfig(_Section):
 
 
 class MicroAdamConfig(_Section):
-    """Server DP-MicroAdam options (arXiv:2511.20509; notes/microadam.md §3 Option C)."""
+    """Server DP-MicroAdam options (arXiv:2511.20509, Alg. 1 from line 8 on; fedprivacy.optim.microadam)."""
 
     density: float = Field(0.01, gt=0.0, le=1.0)
     ring_size: int = Field(10, ge=1)

@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 SQLITE, WORD_COUNT, TAG_COUNT = "stackoverflow.sqlite", "stackoverflow.word_count", "stackoverflow.tag_count"
 ADADPS_CLIENTS = 400
-"""AdaDPS's federated StackOverflow subset: the first 400 training users (notes/adadps.md §5.1)."""
+"""AdaDPS's federated StackOverflow subset: 400 users (Li et al. 2022, arXiv:2202.05963v2, §6.2), the first
+400 training client ids in the paper's code (github.com/litian96/AdaDPS)."""
 EVAL_BATCH = 4096
 
 

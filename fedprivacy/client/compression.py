@@ -1,8 +1,8 @@
 r"""Uplink compression with error feedback: DP-MicroAdam's top-k and 4-bit residual on the client.
 
-Round ``t`` on client ``i`` (notes/microadam.md §3 Option B; arXiv:2511.20509, Alg. 1 lines 8-13 and
-Alg. 2's Q, Q⁻¹), with the residual :math:`e_i` kept on the client across rounds (also the rounds it
-sits out; zero before its first):
+Round ``t`` on client ``i`` (DP-MicroAdam's error feedback and top-k, arXiv:2511.20509, Alg. 1 lines 8-13
+and Alg. 2's Q, Q⁻¹, applied to the client's update: the paper has no federated setting), with the
+residual :math:`e_i` kept on the client across rounds (also the rounds it sits out; zero before its first):
 
 .. math::
     a &= \Delta_i + Q^{-1}(e_i) \\

@@ -6,12 +6,14 @@ arXiv:2202.05963v2, App. B, Alg. 3):
 .. math:: w^{i,j+1} = w^{i,j} - \eta_l\, \nabla f(w^{i,j}) \oslash A, \qquad
           \Delta_i = w^{i,s} - w_t, \qquad \tilde\Delta_i = \mathrm{clip}(\Delta_i, C)
 
-and the server adds its one Gaussian draw to the sum as in DP-FedAvg (the paper code's placement,
-notes/adadps.md §2.8: ε = 34 at σ = 0.3). Sample-level DP clients divide each record's gradient by
+and the server adds its one Gaussian draw to the sum as in DP-FedAvg (the placement of the paper's
+code, ``federated/flearn/trainers/dp-fedavg.py``, which its reported ε = 34 at σ = 0.3 matches: §6.2,
+Fig. 6; Alg. 3 as printed adds the noise on each device). Sample-level DP clients divide each record's gradient by
 ``A`` before its clip (Alg. 1). ``A = 1`` is DP-FedAvg exactly; ``A -> cA`` equals ``lr -> lr / c``
 locally, and with one local step ``(cA, C, server lr)`` equals ``(A, cC, server lr / c)``.
 
-Sources (notes/adadps.md §2.4, §2.6, §9 items 4 and 15): ``A`` has one value per word (shape
+Sources (§4 Option 2, §5.1 and §6.1.2, and the paper's code, github.com/litian96/AdaDPS, where it
+differs): ``A`` has one value per word (shape
 ``(V, 1)``, broadcast over the K classes of the word-indexed weight; the bias keeps A = 1) for
 
 * ``top_words``: the paper code's two-level rule, A = 1 for the ``top`` most frequent words

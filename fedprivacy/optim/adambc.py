@@ -3,7 +3,7 @@ r"""DP-FedAdamBC: server Adam with the known DP bias ``Phi`` removed from the se
 The noised average ``g_t = (sum_i clip(Delta_i) + N(0, z^2 C^2 I)) / m`` carries per-coordinate noise
 of variance ``Phi``; squared, that noise adds ``Phi`` to the bias-corrected second moment in
 expectation, so plain DP-Adam divides by ``sqrt(v_hat_clean + Phi)`` and, when ``Phi`` dominates,
-behaves like SGD with momentum (``notes/adambc.md`` §2.2). With ``m_0 = v_0 = 0``:
+behaves like SGD with momentum (Tang et al. 2024, arXiv:2312.14334v1, §3, Eq. 3). With ``m_0 = v_0 = 0``:
 
 .. math::
     \Phi &= \Big(\frac{z\,C}{m}\Big)^2, \qquad
@@ -29,13 +29,13 @@ Departures from the paper, each deliberate:
 
 * The paper is central DP-SGD (examples, batch ``B``, ``Phi = (sigma C / B)^2``) and has no
   federated setting. Here clients replace examples and ``m`` is the EXPECTED cohort, the fixed
-  divisor of the mechanism, so ``Phi = (z C / m)^2`` is constant and public (``notes/adambc.md``
-  §5.1, derived there, not in the paper).
+  divisor of the mechanism, so ``Phi = (z C / m)^2`` is constant and public (the paper's Eq. 2 with
+  clients in place of examples; not in the paper).
 * Sign: the paper descends ``theta - eta * Delta`` on gradients; here ``g`` is an average of
   model deltas ``x_i - x``, so the server ADDS the step.
 * ``corrected_v=False`` is not in the paper: it is Reddi et al.'s un-corrected FedAdam moments
   (neither ``m`` nor ``v`` divided by ``1 - beta^t``), whose noise bias is ``(1 - beta2^t) Phi``
-  (``notes/adambc.md`` §5.2 and §7 item 2). γ′ then floors the raw, un-corrected scale.
+  (the paper's Eq. 2, before its bias correction). γ′ then floors the raw, un-corrected scale.
 * γ′ is constant. The authors' code has a ``gamma_decay`` option and App. G suggests a
   decreasing schedule; neither is implemented.
 
@@ -43,10 +43,10 @@ Time-varying noise: when the per-round variance :math:`\Phi_t` changes (adaptive
 C_t; heterogeneous rounds), the bias of ``v`` is the same EMA of the :math:`\Phi_\tau` that ``v`` is
 of the :math:`g_\tau^2`: :math:`\bar\Phi_t = \beta_2 \bar\Phi_{t-1} + (1-\beta_2)\Phi_t`,
 :math:`\bar\Phi_0 = 0`; the corrected update subtracts :math:`\bar\Phi_t / (1-\beta_2^t)`, the
-un-corrected one :math:`\bar\Phi_t` (``notes/adambc.md`` §5, table of settings). Set the round's
+un-corrected one :math:`\bar\Phi_t` (Eq. 2 of the paper with a per-step Φ; its Φ is constant). Set the round's
 value with :meth:`ServerAdamBC.set_phi` before its step. For a constant Φ this is exactly the
 formulas above (:math:`\bar\Phi_t = (1-\beta_2^t)\Phi`). A divisor equal to the REALIZED cohort,
-the other source of a time-varying Φ in the notes, is refused by this pipeline on privacy grounds
+the other source of a time-varying Φ, is refused by this pipeline on privacy grounds
 (invariant 2: the divisor is the fixed expected cohort). Noise placements set Φ through
 :func:`fedprivacy.privacy.placement.released_noise_variance` (local noise: :math:`z^2C^2/m`).
 
@@ -56,7 +56,8 @@ and the record-level optimizer pass ``V_t`` to :meth:`ServerAdamBC.set_phi` each
 EMA bias identity holds for the filtered stream.
 
 Precision: ``v_hat - Phi`` is a difference of nearly equal numbers when noise dominates; state
-has the dtype of ``params`` and must be float32 or wider (bf16/fp16 destroy it, notes §7 item 5).
+has the dtype of ``params`` and must be float32 or wider (float16's smallest normal is 6e-5 and bfloat16
+resolves about 4e-3 of a value: both destroy it).
 
 Privacy: POST stage. ``Phi`` and γ′ are public (config only, never estimated from data); the
 moments see only the released ``g_t`` (invariants 3, 6), so ε is that of DP-FedAvg.
@@ -83,7 +84,7 @@ class ServerAdamBC(AdaptiveServerOptimizer):
         phi: Φ >= 0 from :func:`~fedprivacy.privacy.placement.dp_noise_variance`; 0 gives Adam with γ′
             inside the root.
         gamma_prime: γ′ > 0, the floor under ``v_hat - Phi``; tune it relative to Φ (the paper's
-            tuned values span about 0.004 Φ to 0.84 Φ, notes §1.6) and jointly with ``lr``.
+            tuned values span about 0.004 Φ to 0.84 Φ, App. A) and jointly with ``lr``.
         beta1: β₁ in [0, 1).
         beta2: β₂ in [0, 1); 0.999 as in the paper's experiments.
         corrected_v: True = paper Eq. (4) on bias-corrected moments; False = un-corrected

@@ -1,6 +1,7 @@
 r"""Server-side DiSK: a simplified Kalman filter on the privatized pseudo-gradients.
 
-Round ``t`` (user-level DP, ``notes/disk.md`` §2.2; paper Alg. 3 mapped sample -> client):
+Round ``t`` (user-level DP: Zhang et al. 2024, arXiv:2410.03883, Alg. 3 with each sample mapped to a client
+and the minibatch to the cohort; the paper has no federated setting):
 
 .. math::
     u_i &= c\,\Delta_i(x_t + \gamma d_{t-1}) + (1-c)\,\Delta_i(x_t), \qquad c = \frac{1-\kappa}{\kappa\gamma} \\
@@ -26,8 +27,9 @@ independent noise of per-coordinate variance :math:`\Phi_t`, the filter's output
 
 (about ``0.54 Phi`` at ``kappa = 0.7``), tracked by :meth:`DiskFilter.filter_` as ``noise_variance``.
 
-Orientation: the paper's ``(1-kappa) * old + kappa * new``; the Opacus research code's reversed
-weights are NOT used (``notes/disk.md`` §7). With pseudo-gradients ``Delta = x_local - x`` the
+Orientation: the paper's ``(1-kappa) * old + kappa * new`` (Alg. 3, line 6); the Opacus research code's
+reversed weights (``research/disk_optimizer``, since its commit e7b30c16) are NOT used. With
+pseudo-gradients ``Delta = x_local - x`` the
 combination and the filter are linear, so the sign convention carries through unchanged.
 
 References: Zhang et al. 2024, arXiv:2410.03883, Alg. 3 and App. A.3.

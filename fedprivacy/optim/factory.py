@@ -61,7 +61,7 @@ _REQUIRED = {"adambc": ("phi",)}
 
 def default_gamma_prime(phi: float) -> float:
     """DP-FedAdamBC's γ′ when none is set: ``0.01 Phi`` (inside the paper's tuned range, about 0.004 Phi
-    to 0.84 Phi; Tang et al. 2024, notes/adambc.md §1.6), or ``1e-12`` without noise (Phi = 0)."""
+    to 0.84 Phi; Tang et al. 2024, arXiv:2312.14334v1, App. A), or ``1e-12`` without noise (Phi = 0)."""
     return 0.01 * phi if phi > 0 else 1e-12
 
 

@@ -26,7 +26,7 @@ Departures and choices, each deliberate:
   default here is ``v_0 = 0`` (as Flower 1.41's FedAdam/FedYogi/FedAdagrad): τ sits outside the
   root, so the denominator is at least τ > 0 anyway; Adam's bias correction is exact only for
   ``v_0 = 0`` (so it is refused with any other value); and under DP the bias of ``v_t`` is exactly
-  ``(1 - beta2^t) * Phi`` only from ``v_0 = 0`` (``notes/adambc.md`` §5.2). Pass
+  ``(1 - beta2^t) * Phi`` only from ``v_0 = 0`` (Tang et al. 2024, arXiv:2312.14334v1, Eq. 2). Pass
   ``initial_accumulator=tau**2`` to meet Alg. 2's condition.
 * Bias correction: Alg. 2 has none (``bias_correction=False``, the default). When enabled it uses
   the count ``t`` held in the state, never a round number: Flower 1.41's FedAdam keys it on

@@ -1,4 +1,5 @@
-r"""Server-side DP-MicroAdam on the privatized pseudo-gradient (notes/microadam.md §3, Option C).
+r"""Server-side DP-MicroAdam on the privatized pseudo-gradient (Hudişteanu et al. 2025, arXiv:2511.20509,
+Alg. 1 from line 8 on, with clients in place of examples: the paper has no federated setting).
 
 The server treats :math:`-\tilde g_t` (the negated noised average of client deltas) as the gradient
 and runs Algorithm 1 of DP-MicroAdam from line 8 on, in that gradient convention:
@@ -151,7 +152,8 @@ def top_k(
     Global: the ``k`` entries of largest magnitude. Per tensor (``per_tensor_sizes`` = the lengths of
     the consecutive blocks of ``x``, summing to ``len(x)``): block ``b`` of length ``n_b`` keeps its
     ``k_b = min(n_b, ⌈k·n_b/d⌉)`` largest, so every block keeps at least one entry. With ``k = ⌈ρd⌉``
-    and ``ρd`` an integer this is exactly the paper code's ``⌈ρ·n_b⌉`` per parameter tensor (notes §1.5).
+    and ``ρd`` an integer this is exactly the paper code's ``⌈ρ·n_b⌉`` per parameter tensor
+    (github.com/MihaelaHudisteanu/DP-Micro-Adam; the paper, §2.3, says only "around 1%").
     Ties are broken by ``torch.topk``; the paper leaves them unspecified.
 
     Args:
@@ -199,7 +201,7 @@ def ring_ages(step: int, ring_size: int) -> list[int]:
 
     Departure from the paper: Algorithm 2 prints the loop ``i ∈ {1, …, min(t, m)}`` with age
     ``(t - i - 1) % m``; with 0-based rows that skips row 0 (the only filled row at ``t = 1``).
-    The corrected loop is ``i ∈ {0, …, min(t, m) - 1}`` (notes §1.3; the authors' code does this).
+    The corrected loop is ``i ∈ {0, …, min(t, m) - 1}`` (the authors' code does this).
 
     Args:
         step: t >= 1.
@@ -345,14 +347,14 @@ class ServerMicroAdam:
         """AdamStats over the filled rows (Algorithm 2, loop corrected) and the step on their union."""
         ages = ring_ages(t, self.ring_size)
         filled = len(ages)
-        # Bias correction uses the GLOBAL t and the window weights are not renormalised (notes §7.6).
+        # Bias correction uses the GLOBAL t and the window weights are not renormalised (Algorithm 2, as printed).
         c1 = (1.0 - self.beta1) / (1.0 - self.beta1**t)
         c2 = (1.0 - self.beta2) / (1.0 - self.beta2**t)
         w1 = torch.tensor([c1 * self.beta1**r for r in ages], dtype=torch.float32, device=self.device)
         w2 = torch.tensor([c2 * self.beta2**r for r in ages], dtype=torch.float32, device=self.device)
         flat_idx = self.ring_indices[:filled].reshape(-1).long()
         values = self.ring_values[:filled]
-        # Scatter-ADD: one coordinate may sit in several rows (notes §1.4, item 5).
+        # Scatter-ADD: one coordinate may sit in several rows (Algorithm 2's z[I_i] <- z[I_i] + beta^r V_i).
         zeros = dict(dtype=torch.float32, device=self.device)
         m_hat = torch.zeros(self.dim, **zeros).scatter_add_(0, flat_idx, (values * w1[:, None]).view(-1))
         v_hat = torch.zeros(self.dim, **zeros).scatter_add_(0, flat_idx, (values.square() * w2[:, None]).view(-1))

@@ -27,7 +27,8 @@ Methods, as configurations of one mechanism (the base optimizer only post-proces
   with ``Phi = (sigma C / B)^2`` (:func:`~fedprivacy.privacy.placement.dp_noise_variance`), run through
   :class:`FlatDescent`.
 * AdaDPS (arXiv:2202.05963v2, Alg. 1 Option 2 with a fixed ``A``): base SGD and ``preconditioner``.
-  ``A = 1`` is DP-SGD bit for bit; ``A -> cA`` equals ``C -> cC, lr -> lr/c`` (notes/adadps.md §8).
+  ``A = 1`` is DP-SGD bit for bit; ``A -> cA`` equals ``C -> cC, lr -> lr/c`` (``clip(u / c, C) =
+  clip(u, cC) / c`` and the noise scales with C).
 * DiSK (arXiv:2410.03883, Alg. 3): ``disk`` = a :class:`~fedprivacy.optim.disk.DiskFilter`; two
   per-sample passes on the SAME batch (``step`` needs a closure), combined per sample before the
   ONE clip. Opacus sees one batch: ``p.grad_sample`` stays one tensor, so ``accumulated_iterations``
@@ -45,7 +46,7 @@ are formed once, from a data-independent partition (:class:`~fedprivacy.client.s
 and Poisson-sampled; the sensitivity of the sum to adding or removing one unit is C, so the
 accountant sees the Poisson-sampled Gaussian with rate ``q = B / #units`` and multiplier σ, and ε
 is for add/remove of one UNIT. The per-coordinate noise on ``g_t`` is σC/B with B counted in
-units (4x larger than per-sample DP-SGD's at 16 units of 4, notes/adadps.md §9 item 6).
+units (4x larger than per-sample DP-SGD's at 16 units of 4: σC/16 against σC/64).
 
 Privacy: MECHANISM stage (per-unit clip, one dense draw of N(0, σ²C²) per parameter tensor from a
 dedicated generator); the DiSK filter and every base optimizer see only ``g_t`` (post-processing: the
