@@ -62,6 +62,9 @@ SAMPLE_DP_STREAM = 0x73616D706C65  # "sample": a client's sample-level DP stream
 COMPRESSION_STREAM = 0x636F6D70  # "comp": a client's stochastic rounding of its residual, per (run seed, round, client)
 RESIDUAL = RESIDUAL_KEY
 """``Context.state`` key of the error-feedback residual: the mods' one (:func:`~fedprivacy.fl.mods.compressed_upload`)."""
+LEGACY_RESIDUAL = "uplink-residual"
+"""Where this ClientApp kept the residual before it shared the mods' key (node states in checkpoints of
+fedprivacy up to commit de2febe); :func:`adopt_legacy_residual` moves it."""
 
 
 @functools.lru_cache(maxsize=2)
@@ -198,6 +201,19 @@ def client_reply(msg: Message, state: RecordDict, c: RunConfig, job: ClientJob, 
                                GaussianNoise(c.seed, device=c.device, secure=job.secret,
                                              stream=(job.round, job.partition, *job.epoch)))
     return Message(RecordDict({"arrays": update_to_record(update), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def adopt_legacy_residual(state: RecordDict) -> bool:
+    """Move a residual that ``state`` (a node's ``Context.state`` from an older checkpoint) holds under
+    :data:`LEGACY_RESIDUAL` to :data:`RESIDUAL`, in place; whether there was one."""
+    held = state.array_records.get(LEGACY_RESIDUAL)
+    if held is None:
+        return False
+    if RESIDUAL in state:
+        raise ValueError(f"a node state holds an uplink residual under both {LEGACY_RESIDUAL!r} and {RESIDUAL!r}")
+    state[RESIDUAL] = held
+    del state[LEGACY_RESIDUAL]
+    return True
 
 
 def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: torch.nn.Module,
