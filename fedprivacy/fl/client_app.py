@@ -220,8 +220,8 @@ def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: 
            lookaheads: _LastDecoded) -> tuple[LocalResult, dict[str, float]]:
     """The client's local training: record-level DP, plain local SGD, or DiSK's two passes from
     ``x_t`` and the lookahead with one data order. Returns the update it sends (DiSK's combination),
-    with the loss and example count of its pass from ``x_t``, and extra metrics (the record-level
-    privacy events)."""
+    with the loss and example count of its last pass, and extra metrics (the record-level privacy
+    events)."""
     task = load_task(c.data)
     features, labels = task.client_data(job.partition)
     side = node_side_information(msg, context, c.device)  # AdaDPS's public A, or None
