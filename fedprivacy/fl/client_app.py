@@ -179,10 +179,12 @@ def client_reply(msg: Message, state: RecordDict, c: RunConfig, job: ClientJob, 
     stochastic rounding seeded per (run seed, round, partition); metric ``residual-bytes``), :math:`C_t` the
     round's ``clip-norm``, :math:`s = zC/\sqrt m` or :math:`zC` (:func:`~fedprivacy.fl.mods.noised_upload`)
     drawn from the stream ``(round, partition, *epoch)`` of the run seed, or from the OS when ``job.secret``.
-    ``model`` gives the parameter sizes of per-tensor top-k.
+    ``model`` gives the parameter sizes of per-tensor top-k. Under distributed and local placement the server
+    is not trusted: the reply carries only the noisy upload and ``extra_metrics`` (the record-level events it
+    must account), not the loss, the example count or the residual's size, which are not privatized.
     """
     update = trained.update
-    metrics = {"train_loss": trained.train_loss, "num-examples": trained.num_examples, **extra_metrics}
+    metrics = {"train_loss": trained.train_loss, "num-examples": trained.num_examples}
     comp = c.client.compression
     if comp is not None:
         rounding = None
@@ -200,7 +202,9 @@ def client_reply(msg: Message, state: RecordDict, c: RunConfig, job: ClientJob, 
                                                                      p.expected_cohort),
                                GaussianNoise(c.seed, device=c.device, secure=job.secret,
                                              stream=(job.round, job.partition, *job.epoch)))
-    return Message(RecordDict({"arrays": update_to_record(update), "metrics": MetricRecord(metrics)}), reply_to=msg)
+        metrics = {}  # nothing but the noisy upload and the events leaves the client
+    return Message(RecordDict({"arrays": update_to_record(update), "metrics": MetricRecord({**metrics, **extra_metrics})}),
+                   reply_to=msg)
 
 
 def adopt_legacy_residual(state: RecordDict) -> bool:

@@ -77,6 +77,9 @@ def test_the_cohort_engine_replies_what_the_client_app_replies_bit_for_bit(small
     assert got == want and len(want) == len(jobs)  # (the cohort replies in its chunks' order)
     dense = cfg.privacy.placement != "central"  # client noise covers every coordinate
     assert all(("indices" in w["arrays"]) != dense for w in want.values())
+    # an untrusted server (distributed, local) gets the noisy upload only: no loss, count or residual size
+    assert all(("train_loss" in dict(w["metrics"])) != dense for w in want.values())
+    assert not dense or all(w["metrics"] == [] for w in want.values())
     if cfg.client.compression is not None:
         assert all(dict(w["metrics"])["residual-bytes"] > 0 for w in want.values())
         assert {node - 2 for node in one_at_a_time.node_state_dict()} == {p for _, p in jobs}
