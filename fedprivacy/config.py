@@ -371,6 +371,10 @@ class PrivacyConfig(_Section):
     never to this simulation."""
     noise_population: int | None = Field(None, ge=1)
     """Population of the emulated deployment (default: the simulated population)."""
+    noise_stream: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    """``module:factory`` of the server's noise across rounds (a ``fedprivacy.privacy.noise.NoiseStream``,
+    built as ``factory(seed, device=..., secure=...)``); None: independent Gaussian noise every round.
+    Needs central placement, a fixed clip and a given noise_multiplier (``auto`` calibrates independent noise)."""
 
     @property
     def accounting_cohort(self) -> int:
@@ -390,6 +394,10 @@ class PrivacyConfig(_Section):
 
     @model_validator(mode="after")
     def _budget_accountant_is_computed(self) -> PrivacyConfig:
+        if self.noise_stream is not None and (self.noise_multiplier == "auto" or self.placement != "central"
+                                              or self.adaptive_clipping is not None):
+            raise ValueError(f"privacy.noise_stream={self.noise_stream!r} needs a given privacy.noise_multiplier (auto "
+                             "calibrates independent noise), placement: central and no privacy.adaptive_clipping")
         if self.noise_multiplier == "auto":
             if self.target_epsilon is None:
                 raise ValueError("privacy.noise_multiplier='auto' needs privacy.target_epsilon (the budget to calibrate to)")

@@ -1,4 +1,4 @@
-"""Mutation check of the Hardening II and resumable-strategy privacy fixes: each fix is broken in turn and
+"""Mutation check of the Hardening II, resumable-strategy and mechanism-seam privacy claims: each fix is broken in turn and
 the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
 (about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 MUTATIONS = [
- ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.event())\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
+ ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.event_at)\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
  ("fedprivacy/privacy/client_ledgers.py", "        if record_level:\n            try:", "        if True:\n            try:", "tests/engine/test_strategy.py -k without_record_level"),
  ("fedprivacy/privacy/client_ledgers.py", "    z = 0.0 if z < MIN_NOISE_MULTIPLIER else min(z, MAX_NOISE_MULTIPLIER)\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),
  ("fedprivacy/privacy/client_ledgers.py", "    batch = min(max(batch, MIN_CLIENT_SAMPLING_RATE * population), population) if batch > 0 else 0.0\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),
@@ -24,6 +24,9 @@ MUTATIONS = [
  ("fedprivacy/fl/strategy.py", "        lost = self.mechanism.attach_release_log(release_log)", "        lost = 0", "tests/engine/test_strategy_state.py -k kill"),
  ("fedprivacy/fl/strategy.py", "            self.load_state_dict(saved)", "            pass", "tests/engine/test_strategy_state.py -k bit_exactly"),
  ("fedprivacy/fl/strategy_state.py", "        if changed:", "        if False:", "tests/engine/test_strategy_state.py -k changed_settings"),
+ ("fedprivacy/privacy/mechanism.py", "        return self.noise.event(sampled, release)", "        return sampled", "tests/engine/test_custom_noise_stream.py -k mechanism"),
+ ("fedprivacy/privacy/mechanism.py", "        return self.value_noise_multiplier * self.noise.std_factor(self.next_release)", "        return self.value_noise_multiplier", "tests/engine/test_custom_noise_stream.py -k mechanism"),
+ ("fedprivacy/fl/client_app.py", "        metrics = {}  # nothing but the noisy upload and the events leaves the client\n", "", "tests/engine/test_one_client_path.py -k distributed"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)

@@ -3,13 +3,14 @@
 A round's ``train`` messages all carry the same broadcast :math:`x_t`; where the run's local
 training is plain SGD on a dense model (:func:`fedprivacy.client.cohort_training.unsupported_reason`
 and :func:`config_obstacle`), :class:`CohortTrainer` trains them in chunks with
-:func:`~fedprivacy.client.cohort_training.train_cohort` and builds each client's reply exactly as
-the ClientApp (:func:`fedprivacy.fl.client_app.build_client_app`) would: ``{"arrays": Delta_i,
-"metrics": {"train_loss", "num-examples"}}``, the same data order per ``(seed, round, client)``, the
-same values within float rounding. The server clips and noises each reply as before; nothing on
-the privacy path changes. Before the run, one batched step of one client at lr 0 checks that the
-task's model and loss run under ``vmap`` (a user's forward that reads its input through numpy
-cannot).
+:func:`~fedprivacy.client.cohort_training.train_cohort`, the same data order per ``(seed, round,
+client)`` as the ClientApp, the same values within float rounding, and builds each client's reply
+with the ClientApp's own :func:`fedprivacy.fl.client_app.client_reply` (``{"arrays": Delta_i,
+"metrics": {"train_loss", "num-examples"}}``): one reply path, so nothing on the privacy path
+differs. Its clients keep no node state (each reply sees an empty ``Context.state``): runs whose
+clients keep some (the uplink residual, AdaDPS's ``A``) train one at a time. Before the run, one
+batched step of one client at lr 0 checks that the task's model and loss run under ``vmap`` (a
+user's forward that reads its input through numpy cannot).
 
 How ``cohort_batching: auto`` chooses (:func:`cohort_trainer`), from the CPU measurements of
 ``benchmarks/cohort_training.py`` (BENCHMARKS.md, "Cohorts trained together"): batching removes
@@ -44,14 +45,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 
 from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
 from fedprivacy.client.sparse_cohort import train_sparse_cohort, trains_in_closed_form
 from fedprivacy.client.trainer import client_generator
 from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.engines.processes import run_processes
-from fedprivacy.fl.records import load_record_, update_to_record
+from fedprivacy.fl.client_app import ClientJob, client_reply
+from fedprivacy.fl.records import load_record_
 from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.task import Task
@@ -174,20 +176,17 @@ class CohortTrainer:
                 pool.shutdown(wait=True, cancel_futures=True)
 
     def _train(self, messages: Sequence[Message], data: Sequence[tuple[Any, Any]]) -> list[Message]:
+        """The replies to ``messages`` (one chunk), each :func:`client_reply` of its client's training."""
         c = self.cfg
-        partitions = [m.metadata.dst_node_id - 2 for m in messages]
-        rounds = [int(m.content["config"]["server-round"]) for m in messages]
-        rngs = [client_generator(c.seed, r, p) for r, p in zip(rounds, partitions)]
+        jobs = [ClientJob.of(m, m.metadata.dst_node_id - 2, c, simulated=True) for m in messages]
+        rngs = [client_generator(c.seed, job.round, job.partition) for job in jobs]
         if self.sparse:
             results = train_sparse_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
                                           lr=c.client.lr, rngs=rngs)
         else:
             results = train_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
                                    lr=c.client.lr, rngs=rngs, loss_fn=self.task.loss)
-        return [Message(RecordDict({"arrays": update_to_record(r.update),
-                                    "metrics": MetricRecord({"train_loss": r.train_loss,
-                                                             "num-examples": r.num_examples})}), reply_to=m)
-                for m, r in zip(messages, results)]
+        return [client_reply(m, RecordDict(), c, job, self.model, r) for m, job, r in zip(messages, jobs, results)]
 
 
 def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:

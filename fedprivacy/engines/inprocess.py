@@ -33,6 +33,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedprivacy.engines.processes import ProcessPool
+from fedprivacy.fl.client_app import LEGACY_RESIDUAL, RESIDUAL, adopt_legacy_residual
 
 if TYPE_CHECKING:
     from fedprivacy.engines.cohorts import CohortTrainer
@@ -148,10 +149,17 @@ class InProcessGrid(Grid):
         return dict(self._states)
 
     def load_node_state_dict(self, states: dict[int, RecordDict]) -> None:
-        """Restore :meth:`node_state_dict` (a resumed run's nodes continue with their state, as SuperNodes would)."""
+        """Restore :meth:`node_state_dict` (a resumed run's nodes continue with their state, as SuperNodes would);
+        an uplink residual saved by an older fedprivacy under its ClientApp's former key moves to the key
+        the ClientApp and the mods share (:func:`~fedprivacy.fl.client_app.adopt_legacy_residual`)."""
+        moved = 0
         for node_id, state in states.items():
             self._check_node(node_id)
+            moved += adopt_legacy_residual(state)
             self._keep_state(node_id, state)
+        if moved:
+            log.info("%d node state(s) kept their uplink residual under the former key %r: now under %r",
+                     moved, LEGACY_RESIDUAL, RESIDUAL)
 
     # -- delivery ---------------------------------------------------------------------------
     def _check_node(self, node_id: int) -> None:

@@ -19,15 +19,23 @@ Message contract (``message_type``):
   Central placement (default): the client does not clip; the server clips what it receives
   (invariant 1 holds because the reply IS the transmitted vector). Distributed and local
   placements: the client clips and adds its noise itself and sends the DENSE noised vector
-  (:mod:`fedprivacy.privacy.placement`).
+  (:mod:`fedprivacy.privacy.placement`). With ``client.compression`` it sends the clipped top-k of
+  its delta plus the residual it keeps in ``Context.state``.
+
+One reply path: whatever trained, :func:`client_reply` turns the client's local training into its
+reply with the steps of :mod:`fedprivacy.fl.mods` (:func:`~fedprivacy.fl.mods.compressed_upload`,
+:func:`~fedprivacy.fl.mods.noised_upload`, the residual under :data:`~fedprivacy.fl.mods.RESIDUAL_KEY`),
+and the cohort engine (:mod:`fedprivacy.engines.cohorts`) builds each reply with it too.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,14 +43,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
-from fedprivacy.client.compression import Residual, compress
-from fedprivacy.client.trainer import client_generator, local_sgd
+from fedprivacy.client.trainer import LocalResult, client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
 from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
-from fedprivacy.privacy.placement import client_noise_std, privatize_upload_
-from fedprivacy.fl.records import arrays_to_record, load_record_, record_to_arrays, record_to_vector, update_to_record
+from fedprivacy.privacy.placement import client_noise_std
+from fedprivacy.fl.mods import RESIDUAL_KEY, compressed_upload, noised_upload
+from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import node_side_information
 from fedprivacy.stackoverflow_tasks import load_task
@@ -52,7 +60,11 @@ if TYPE_CHECKING:
 
 SAMPLE_DP_STREAM = 0x73616D706C65  # "sample": a client's sample-level DP streams, per (run seed, round, client)
 COMPRESSION_STREAM = 0x636F6D70  # "comp": a client's stochastic rounding of its residual, per (run seed, round, client)
-RESIDUAL = "uplink-residual"  # Context.state key of the error-feedback residual (fedprivacy.client.compression)
+RESIDUAL = RESIDUAL_KEY
+"""``Context.state`` key of the error-feedback residual: the mods' one (:func:`~fedprivacy.fl.mods.compressed_upload`)."""
+LEGACY_RESIDUAL = "uplink-residual"
+"""Where this ClientApp kept the residual before it shared the mods' key (node states in checkpoints of
+fedprivacy up to commit de2febe); :func:`adopt_legacy_residual` moves it."""
 
 
 @functools.lru_cache(maxsize=2)
@@ -124,32 +136,17 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         c = cfg if cfg is not None else config_from_context(context)[0]
-        job = _Job.of(msg, context, c, simulated=cfg is not None)
+        job = ClientJob.of(msg, int(context.node_config["partition-id"]), c, simulated=cfg is not None)
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
-        result, update, extra_metrics = _train(msg, context, c, job, model, lookaheads)
-        if c.client.compression is not None:  # top-k of delta + residual, clipped; the residual stays here
-            update, compression_metrics = _compress_upload(update, context, c, model, job.round, job.partition,
-                                                           float(msg.content["config"]["clip-norm"]))
-            extra_metrics.update(compression_metrics)
-        p = c.privacy
-        if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
-            std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, p.expected_cohort)
-            noise = GaussianNoise(c.seed, device=c.device, secure=job.secret,
-                                  stream=(job.round, job.partition, *job.epoch))
-            update = SparseUpdate.dense(privatize_upload_(update.to_dense().clone(), p.clip_norm, std, noise))
-        content = RecordDict({
-            "arrays": update_to_record(update),
-            "metrics": MetricRecord({"train_loss": result.train_loss, "num-examples": result.num_examples,
-                                     **extra_metrics}),
-        })
-        return Message(content, reply_to=msg)
+        trained, extra_metrics = _train(msg, context, c, job, model, lookaheads)
+        return client_reply(msg, context.state, c, job, model, trained, extra_metrics)
 
     return app
 
 
 @dataclass(frozen=True)
-class _Job:
+class ClientJob:
     """Who trains which round: the node's partition, the round, the server's noise epoch (a re-run of
     released rounds after a resume draws fresh streams) and whether client noise must be secret."""
 
@@ -159,18 +156,76 @@ class _Job:
     secret: bool
 
     @classmethod
-    def of(cls, msg: Message, context: Context, c: RunConfig, simulated: bool) -> _Job:
+    def of(cls, msg: Message, partition: int, c: RunConfig, simulated: bool) -> ClientJob:
+        """The job of ``msg`` on the node of ``partition``; ``simulated``: ``c`` came from fedprivacy's own
+        engine (its seeded streams), not from the server (the OS's)."""
         config = msg.content["config"]
-        return cls(partition=int(context.node_config["partition-id"]), round=int(config["server-round"]),
+        return cls(partition=partition, round=int(config["server-round"]),
                    epoch=(int(config["noise-epoch"]),) if "noise-epoch" in config else (),
                    secret=c.privacy.secure_noise or not simulated)
 
 
-def _train(msg: Message, context: Context, c: RunConfig, job: _Job, model: torch.nn.Module,
-           lookaheads: _LastDecoded) -> tuple[Any, SparseUpdate, dict[str, float]]:
+def client_reply(msg: Message, state: RecordDict, c: RunConfig, job: ClientJob, model: torch.nn.Module,
+                 trained: LocalResult, extra_metrics: Mapping[str, float] = MappingProxyType({})) -> Message:
+    r"""The reply to ``msg`` from the client's local training ``trained`` (:math:`\Delta_i`, its loss and
+    example count) and ``extra_metrics`` (the record-level events): the one reply path of the ClientApp
+    and of the cohort engine. The upload, in order:
+
+    .. math:: u_i = \Delta_i \ (\text{central}); \quad
+              u_i \leftarrow \operatorname{clip}(T_k(u_i + e_i), C_t) \ (\texttt{client.compression}); \quad
+              u_i \leftarrow \operatorname{clip}(u_i, C) + \mathcal N(0, s^2 I_d) \ (\text{distributed, local})
+
+    with :math:`e_i` the residual in the node's ``state`` (:func:`~fedprivacy.fl.mods.compressed_upload`; its
+    stochastic rounding seeded per (run seed, round, partition); metric ``residual-bytes``), :math:`C_t` the
+    round's ``clip-norm``, :math:`s = zC/\sqrt m` or :math:`zC` (:func:`~fedprivacy.fl.mods.noised_upload`)
+    drawn from the stream ``(round, partition, *epoch)`` of the run seed, or from the OS when ``job.secret``.
+    ``model`` gives the parameter sizes of per-tensor top-k. Under distributed and local placement the server
+    is not trusted: the reply carries only the noisy upload and ``extra_metrics`` (the record-level events it
+    must account), not the loss, the example count or the residual's size, which are not privatized.
+    """
+    update = trained.update
+    metrics = {"train_loss": trained.train_loss, "num-examples": trained.num_examples}
+    comp = c.client.compression
+    if comp is not None:
+        rounding = None
+        if comp.quantization == "4bit_stochastic":
+            seq = np.random.SeedSequence([c.seed, COMPRESSION_STREAM, job.round, job.partition])
+            rounding = torch.Generator().manual_seed(torch_seed(seq))
+        update, residual_bytes = compressed_upload(
+            update, state, density=comp.density, clip_norm=float(msg.content["config"]["clip-norm"]),
+            quantization=comp.quantization, bucket_size=comp.bucket_size, generator=rounding,
+            tensor_sizes=[p.numel() for p in model.parameters()] if comp.per_tensor else None)
+        metrics["residual-bytes"] = float(residual_bytes)
+    p = c.privacy
+    if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
+        update = noised_upload(update, p.clip_norm, client_noise_std(p.placement, p.noise_multiplier, p.clip_norm,
+                                                                     p.expected_cohort),
+                               GaussianNoise(c.seed, device=c.device, secure=job.secret,
+                                             stream=(job.round, job.partition, *job.epoch)))
+        metrics = {}  # nothing but the noisy upload and the events leaves the client
+    return Message(RecordDict({"arrays": update_to_record(update), "metrics": MetricRecord({**metrics, **extra_metrics})}),
+                   reply_to=msg)
+
+
+def adopt_legacy_residual(state: RecordDict) -> bool:
+    """Move a residual that ``state`` (a node's ``Context.state`` from an older checkpoint) holds under
+    :data:`LEGACY_RESIDUAL` to :data:`RESIDUAL`, in place; whether there was one."""
+    held = state.array_records.get(LEGACY_RESIDUAL)
+    if held is None:
+        return False
+    if RESIDUAL in state:
+        raise ValueError(f"a node state holds an uplink residual under both {LEGACY_RESIDUAL!r} and {RESIDUAL!r}")
+    state[RESIDUAL] = held
+    del state[LEGACY_RESIDUAL]
+    return True
+
+
+def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: torch.nn.Module,
+           lookaheads: _LastDecoded) -> tuple[LocalResult, dict[str, float]]:
     """The client's local training: record-level DP, plain local SGD, or DiSK's two passes from
-    ``x_t`` and the lookahead with one data order. Returns the result, the update and extra metrics
-    (the record-level privacy events)."""
+    ``x_t`` and the lookahead with one data order. Returns the update it sends (DiSK's combination),
+    with the loss and example count of its last pass, and extra metrics (the record-level privacy
+    events)."""
     task = load_task(c.data)
     features, labels = task.client_data(job.partition)
     side = node_side_information(msg, context, c.device)  # AdaDPS's public A, or None
@@ -185,7 +240,8 @@ def _train(msg: Message, context: Context, c: RunConfig, job: _Job, model: torch
                                          accountant=s.accountant, secure_noise=job.secret,
                                          preconditioner=None if side is None else
                                          (side["embedding.weight"], side.get("bias")))
-        return result, SparseUpdate.dense(result.delta), event_metrics(result)
+        trained = LocalResult(SparseUpdate.dense(result.delta), result.train_loss, result.num_examples)
+        return trained, event_metrics(result)
     loss_fn = None if getattr(task, "closed_form_softmax", False) else task.loss  # the tag model's fast path
 
     def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
@@ -195,33 +251,12 @@ def _train(msg: Message, context: Context, c: RunConfig, job: _Job, model: torch
 
     lookahead = msg.content.array_records.get("lookahead")
     if lookahead is None:
-        result = train_from(None)
-        return result, result.update, {}
+        return train_from(None), {}
     coefficient = float(msg.content["config"]["disk-c"])
     ahead = train_from(lookaheads.vector(lookahead, model, c.device))
     result = ahead if coefficient == 1.0 else train_from(None)
-    return result, disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient), {}
-
-
-def _compress_upload(update: SparseUpdate, context: Context, c: RunConfig, model: torch.nn.Module, server_round: int,
-                     partition: int, clip_norm: float) -> tuple[SparseUpdate, dict[str, float]]:
-    """The upload :math:`\\mathrm{clip}(T_k(\\Delta + e), C)`; the new residual replaces the old in ``context.state``."""
-    comp = c.client.compression
-    held = context.state.array_records.get(RESIDUAL)
-    residual = None if held is None else Residual.from_arrays(record_to_arrays(held))
-    generator = None
-    if comp.quantization == "4bit_stochastic":
-        seq = np.random.SeedSequence([c.seed, COMPRESSION_STREAM, server_round, partition])
-        generator = torch.Generator().manual_seed(torch_seed(seq))
-    out = compress(update, residual, density=comp.density, clip_norm=clip_norm, quantization=comp.quantization,
-                   bucket_size=comp.bucket_size, generator=generator,
-                   tensor_sizes=[p.numel() for p in model.parameters()] if comp.per_tensor else None)
-    if out.residual is None:
-        if held is not None:
-            del context.state[RESIDUAL]
-    else:
-        context.state[RESIDUAL] = arrays_to_record(out.residual.to_arrays())
-    return out.sent, {"residual-bytes": float(out.residual.nbytes if out.residual else 0)}
+    update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
+    return LocalResult(update, result.train_loss, result.num_examples), {}
 
 
 app = build_client_app()

@@ -21,6 +21,7 @@ Flower's DP wrappers are NOT used: they add noise after the wrapped strategy's s
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import vector_to_parameters
 
-from fedprivacy.config import MicroAdamConfig, RunConfig
+from fedprivacy.config import ConfigError, MicroAdamConfig, RunConfig
 from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.run_config import config_from_context
@@ -40,8 +41,8 @@ from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
 from fedprivacy.outputs import RunOutputs
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier
-from fedprivacy.privacy.mechanism import AdaptiveClipping
-from fedprivacy.privacy.noise import torch_seed
+from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory
+from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
 from fedprivacy.task import Task
@@ -66,6 +67,26 @@ def server_optimizer_settings(cfg: RunConfig, model: torch.nn.Module) -> dict[st
     return settings
 
 
+def noise_stream_factory(spec: str | None) -> NoiseStreamFactory:
+    """The factory ``privacy.noise_stream`` names as ``module:attribute`` (None: independent Gaussian noise).
+
+    Raises:
+        ConfigError: it cannot be imported, or is not callable (naming the field).
+    """
+    if spec is None:
+        return GaussianNoise
+    module, _, name = spec.partition(":")
+    try:
+        factory: Any = importlib.import_module(module)
+        for part in name.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"privacy.noise_stream={spec!r} cannot be imported: {err}") from None
+    if not callable(factory):
+        raise ConfigError(f"privacy.noise_stream={spec!r} is not a callable factory")
+    return factory
+
+
 def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls: type[DPFedAvg] = DPFedAvg,
                    node_content: NodeContent | None = None) -> DPFedAvg:
     """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``."""
@@ -80,7 +101,8 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                record_level=cfg.client.sample_dp is not None, delta=p.delta, target_epsilon=p.target_epsilon,
                budget_accountant=p.budget_accountant, accountants=tuple(p.accountants),
                seed=None if p.secure_noise else cfg.seed, noise_cohort=p.noise_cohort,
-               noise_population=p.noise_population, device=cfg.device, node_content=node_content)
+               noise_population=p.noise_population, device=cfg.device,
+               noise_stream=noise_stream_factory(p.noise_stream), node_content=node_content)
 
 
 def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:

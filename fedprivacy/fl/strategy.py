@@ -64,7 +64,7 @@ every cohort and every noise draw, and with them the noise-free sums.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -86,7 +86,8 @@ from fedprivacy.privacy.accounting import AccountantKind, Sampling, resolve_delt
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
-from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism
+from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
+from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
 
@@ -116,7 +117,7 @@ class _Diagnostics:
     residual: list[float] = field(default_factory=list)
 
     def add(self, content: RecordDict) -> None:
-        reported = content.metric_records.get("metrics") or {}
+        reported: Mapping[str, Any] = content.metric_records.get("metrics") or {}
         numbers = {k: float(v) for k, v in reported.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.uplink.append(record_nbytes(content.array_records["arrays"]))
         if "train_loss" in numbers:
@@ -164,6 +165,8 @@ class DPFedAvg(Strategy):
             noise is scaled so that the epsilon is that of a deployment sampling ``noise_cohort`` of
             ``noise_population``; it does NOT hold for this run (:class:`GaussianMechanism`).
         device: where the model, the sum and the noise live.
+        noise_stream: the server's noise across rounds (:class:`~fedprivacy.privacy.noise.NoiseStream`; default
+            independent Gaussian noise each round); with ``state_dir``, a resume must use the same one.
         node_content: what the train messages carry besides the model (:class:`NodeContent`), or None.
         node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
         state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
@@ -185,7 +188,8 @@ class DPFedAvg(Strategy):
                  record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
                  seed: int | None = None, noise_cohort: int | None = None, noise_population: int | None = None,
-                 device: str | torch.device = "cpu", node_content: NodeContent | None = None,
+                 device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
+                 node_content: NodeContent | None = None,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
@@ -194,12 +198,14 @@ class DPFedAvg(Strategy):
                          "adaptive_clipping": None if adaptive_clipping is None else asdict(adaptive_clipping),
                          "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
                          "delta": delta, "seed": seed, "noise_cohort": noise_cohort,
-                         "noise_population": noise_population}
+                         "noise_population": noise_population,
+                         "noise_stream": f"{noise_stream.__module__}:{noise_stream.__qualname__}"}
         """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
         self.mechanism = self.mechanism_cls(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
             population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping,
-            noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device)
+            noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device,
+            noise_stream=noise_stream)
         self.delta = resolve_delta(delta, self.mechanism.claim_population)
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
@@ -292,15 +298,14 @@ class DPFedAvg(Strategy):
         diagnostics = self._collect(self._offset + server_round, replies, agg)
         self.round = self._offset + server_round
         self._report_rejections(agg)
-        clip_norm, phi = self.mechanism.clip_norm, self.mechanism.phi()  # C_t and Phi_t, before the release
-        g, unclipped = self.mechanism.release(agg, self.round)
-        self.post_process(g, phi)
+        released = self.mechanism.release(agg, self.round)
+        self.post_process(released.g, released.phi)
         self._record = layout_to_record(self.params, self.layout)
         if self.prefetch_noise and (self.rounds_planned is None or self.round < self.rounds_planned):
             self.mechanism.prefetch(agg)  # every draw of this round is made: start the next round's
         if self.state is not None:
             self.state.save(self.settings, self.state_dict())
-        metrics = {**diagnostics.metrics(), **self._privacy_metrics(agg, clip_norm, unclipped),
+        metrics: dict[str, Any] = {**diagnostics.metrics(), **self._privacy_metrics(agg, released),
                    "downlink_bytes_per_client": float(self._downlink), "cohort_sampled": float(len(self.cohort)),
                    "cohort_dropped": float(len(self._waiting))}
         return self._record, MetricRecord(metrics)
@@ -469,13 +474,13 @@ class DPFedAvg(Strategy):
             log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
                       self.round, len(self.cohort))
 
-    def _privacy_metrics(self, agg: PrivateSum, clip_norm: float, unclipped: float | None) -> dict[str, float]:
+    def _privacy_metrics(self, agg: PrivateSum, released: Release) -> dict[str, float]:
         """Epsilons so far, the aggregation's statistics, C_t, the server's noise std; the released unclipped
         fraction (adaptive clipping), DP-FedAdamBC's floored fraction, the largest client epsilon."""
         out = {f"epsilon_{k}": float("nan") if v is None else v for k, v in self.epsilons().items()}
-        out.update(agg.stats.as_metrics(), clip_norm=clip_norm, server_noise_std=agg.server_noise_std())
-        if unclipped is not None:
-            out["unclipped_fraction_released"] = unclipped
+        out.update(agg.stats.as_metrics(), clip_norm=released.clip_norm, server_noise_std=agg.server_noise_std())
+        if released.unclipped_fraction is not None:
+            out["unclipped_fraction_released"] = released.unclipped_fraction
         if isinstance(self.optimizer, ServerAdamBC):  # where bias correction can matter (Tang et al., arXiv:2312.14334)
             out["adambc_floored_fraction"] = self.optimizer.floored_fraction
         if len(self.client_ledgers):

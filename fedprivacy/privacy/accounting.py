@@ -83,6 +83,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 
 from fedprivacy.privacy.bounds import (EPSILON_CEILING, MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER,
                                        MIN_SAMPLING_RATE)
+from fedprivacy.privacy.events import AccountedEvent, event_from_dict, event_to_dict, is_registered, register_event
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def _is_int(x: Any, minimum: int) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= minimum
 
 
+@register_event
 @dataclasses.dataclass(frozen=True)
 class GaussianRound:
     """One round's release: Gaussian noise multiplier z (std / sensitivity) on a sum over a sampled cohort.
@@ -179,15 +181,15 @@ class GaussianRound:
         return gaussian
 
 
-Entry = tuple[GaussianRound, int]
-_ROUND_TYPES: Mapping[str, type[GaussianRound]] = {"GaussianRound": GaussianRound}
+Entry = tuple[AccountedEvent, int]
 _STATE_VERSION = 1
 
 
 class PrivacyLedger:
-    """Ordered run-length list of ``(GaussianRound, count)``: the single source of truth.
+    """Ordered run-length list of ``(event, count)``: the single source of truth.
 
-    Consecutive equal rounds are merged. All rounds must share one neighbouring relation
+    The events are registered accounted events (:mod:`fedprivacy.privacy.events`; fedprivacy's own:
+    :class:`GaussianRound`). Consecutive equal events are merged. All must share one neighbouring relation
     (``fixed`` is replace-one; ``poisson`` and ``none`` are add/remove-one), since a guarantee
     composed across relations would be meaningless.
     """
@@ -197,21 +199,21 @@ class PrivacyLedger:
         for rnd, count in entries:
             self.compose(rnd, count)
 
-    def compose(self, rnd: GaussianRound, count: int = 1) -> PrivacyLedger:
+    def compose(self, rnd: AccountedEvent, count: int = 1) -> PrivacyLedger:
         """Append ``count`` releases of ``rnd``; returns ``self``.
 
         Raises:
-            TypeError: ``rnd`` is not a :class:`GaussianRound`.
+            TypeError: ``rnd`` is not a registered accounted event (:func:`~fedprivacy.privacy.events.register_event`).
             ValueError: ``count`` < 1, or ``rnd``'s neighbouring relation differs from the ledger's.
         """
-        if not isinstance(rnd, GaussianRound):
-            raise TypeError(f"PrivacyLedger.compose expects a GaussianRound, got {type(rnd).__name__}")
+        if not is_registered(rnd):
+            raise TypeError(f"PrivacyLedger.compose expects a registered accounted event, got {type(rnd).__name__}")
         if not _is_int(count, 1):
             raise ValueError(f"PrivacyLedger.compose: count must be an integer >= 1, got {count!r}")
         first = self._entries[0][0] if self._entries else rnd
         if first.neighboring_relation != rnd.neighboring_relation:
-            raise ValueError(f"PrivacyLedger.compose: sampling={rnd.sampling!r} cannot be composed with "
-                             f"sampling={first.sampling!r} (neighbouring relations differ)")
+            raise ValueError(f"PrivacyLedger.compose: {_describe(rnd)} cannot be composed with {_describe(first)} "
+                             "(neighbouring relations differ)")
         if self._entries and self._entries[-1][0] == rnd:
             self._entries[-1] = (rnd, self._entries[-1][1] + int(count))
         else:
@@ -229,35 +231,35 @@ class PrivacyLedger:
         return sum(count for _, count in self._entries)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able state: ``{"version": 1, "entries": [{"type", "count", <round fields>}, ...]}``."""
+        """JSON-able state: ``{"version": 1, "entries": [{"type", "count", <event fields>}, ...]}``
+        (:func:`~fedprivacy.privacy.events.event_to_dict` plus the count)."""
         return {"version": _STATE_VERSION,
-                "entries": [{"type": type(rnd).__name__, "count": count, **dataclasses.asdict(rnd)}
-                            for rnd, count in self._entries]}
+                "entries": [{**event_to_dict(rnd), "count": count} for rnd, count in self._entries]}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> PrivacyLedger:
-        """Rebuild a ledger from :meth:`state_dict` output, through an allow-list of round types.
+        """Rebuild a ledger from :meth:`state_dict` output, through the registry of event types (an allow-list).
 
         Raises:
-            ValueError: wrong version, unknown round type, or missing/unexpected fields.
+            ValueError: wrong version, unknown event type, or missing/unexpected fields (naming the entry).
         """
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION \
                 or not isinstance(state.get("entries"), list):
             raise ValueError(f"PrivacyLedger state must be a mapping with version={_STATE_VERSION} and entries")
         ledger = cls()
         for i, item in enumerate(state["entries"]):
-            kind = item.get("type") if isinstance(item, Mapping) else None
-            if not isinstance(kind, str) or kind not in _ROUND_TYPES:
-                raise ValueError(f"PrivacyLedger entry {i}: unknown event type {kind!r}; "
-                                 f"allowed: {sorted(_ROUND_TYPES)}")
-            round_type = _ROUND_TYPES[kind]
-            names = {f.name for f in dataclasses.fields(round_type)}
-            given = set(item) - {"type", "count"}
-            if given != names or "count" not in item:
-                raise ValueError(f"PrivacyLedger entry {i} ({kind}): expected fields {sorted(names | {'count'})}, "
-                                 f"got {sorted(set(item) - {'type'})}")
-            ledger.compose(round_type(**{n: item[n] for n in names}), item["count"])
+            if not isinstance(item, Mapping) or "count" not in item:
+                raise ValueError(f"PrivacyLedger entry {i}: expected fields type, count and the event's, got {item!r}")
+            try:
+                event = event_from_dict({k: v for k, v in item.items() if k != "count"})
+            except ValueError as err:
+                raise ValueError(f"PrivacyLedger entry {i}: {err}") from None
+            ledger.compose(event, item["count"])
         return ledger
+
+
+def _describe(event: AccountedEvent) -> str:
+    return f"sampling={event.sampling!r}" if isinstance(event, GaussianRound) else type(event).__name__
 
 
 def pld_value_discretization_interval(rounds: Iterable[GaussianRound]) -> float:
@@ -285,9 +287,13 @@ def pld_value_discretization_interval(rounds: Iterable[GaussianRound]) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rdp_per_round(rnd: GaussianRound, orders: tuple[float, ...]) -> np.ndarray:
-    """RDP of one round at each order, under the round's neighbouring relation (read-only, memoized)."""
-    if rnd.sampling == "fixed":
+def _rdp_per_round(rnd: AccountedEvent, orders: tuple[float, ...]) -> np.ndarray:
+    """RDP of one release at each order, under its neighbouring relation (read-only, memoized): Opacus' for a
+    Poisson :class:`GaussianRound`, dp_accounting's ``RdpAccountant`` on its ``DpEvent`` for any other event."""
+    if not isinstance(rnd, GaussianRound):
+        accountant = dp_rdp.RdpAccountant(orders, neighboring_relation=rnd.neighboring_relation)
+        rdp = np.array(accountant.compose(rnd.dp_event()).rdp, dtype=np.float64)
+    elif rnd.sampling == "fixed":
         # Replace-one sensitivity of a clipped sum is 2C: compose z / 2 (issue #378, see module doc).
         event = dp_accounting.SampledWithoutReplacementDpEvent(
             rnd.population, int(rnd.expected_cohort), dp_accounting.GaussianDpEvent(rnd.noise_multiplier / 2))
@@ -308,17 +314,24 @@ def _poisson_round_pld(q: float, noise_multiplier: float, interval: float) -> pl
 
 def _rdp_epsilon(entries: Sequence[Entry], delta: float, orders: tuple[float, ...]) -> float:
     rdp = sum(count * _rdp_per_round(rnd, orders) for rnd, count in entries)
-    if entries[0][0].sampling == "fixed":
+    if entries[0][0].neighboring_relation == _REPLACE_ONE:
         eps, _ = dp_rdp.compute_epsilon(orders, rdp, delta)
     else:
         eps, _ = opacus_rdp.get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
     return float(eps)
 
 
+def _gaussian_rounds(entries: Sequence[Entry]) -> list[tuple[GaussianRound, int]]:
+    """``entries``, every one a :class:`GaussianRound` (the Opacus PRV and memoized PLD paths model only those)."""
+    rounds = [(rnd, count) for rnd, count in entries if isinstance(rnd, GaussianRound)]
+    assert len(rounds) == len(entries), "not every event is a GaussianRound"
+    return rounds
+
+
 def _prv_epsilon(entries: Sequence[Entry], delta: float) -> float:
     accountant = PRVAccountant()
-    accountant.load_state_dict({"mechanism": accountant.mechanism(),
-                                "history": [(rnd.noise_multiplier, rnd.q, count) for rnd, count in entries]})
+    accountant.load_state_dict({"mechanism": accountant.mechanism(), "history": [
+        (rnd.noise_multiplier, rnd.q, count) for rnd, count in _gaussian_rounds(entries)]})
     with np.errstate(divide="ignore"):  # Opacus' PRV takes log(1 - q) = -inf at q = 1, harmlessly
         try:
             return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
@@ -329,9 +342,14 @@ def _prv_epsilon(entries: Sequence[Entry], delta: float) -> float:
 
 
 def _pld_epsilon(entries: Sequence[Entry], delta: float) -> float:
-    interval = pld_value_discretization_interval(rnd for rnd, _ in entries)
+    interval = pld_value_discretization_interval(rnd for rnd, _ in entries if isinstance(rnd, GaussianRound))
+    if not all(isinstance(rnd, GaussianRound) for rnd, _ in entries):  # dp_accounting's PLD of the DpEvents
+        accountant = dp_accounting.pld.PLDAccountant(_ADD_REMOVE, value_discretization_interval=interval)
+        for rnd, count in entries:
+            accountant.compose(rnd.dp_event(), count)
+        return float(accountant.get_epsilon(delta))
     total = pld_lib.identity(value_discretization_interval=interval)
-    for rnd, count in entries:
+    for rnd, count in _gaussian_rounds(entries):
         if rnd.sampling == "none":  # PLDAccountant's GaussianDpEvent branch: T-fold = std z / sqrt(T)
             piece = pld_lib.from_gaussian_mechanism(
                 standard_deviation=rnd.noise_multiplier / math.sqrt(count),
@@ -350,8 +368,12 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
             rdp_orders: Sequence[float] | None = None) -> float | None:
     """ε at ``delta`` of all composed rounds, under accountant ``kind``.
 
+    Events other than :class:`GaussianRound` are accounted from their ``DpEvent`` (rdp: dp_accounting's
+    ``RdpAccountant``, its RDP added to the Gaussian rounds'; pld: dp_accounting's ``PLDAccountant`` over all of
+    them; prv: not modelled, ``None``).
+
     Args:
-        ledger_or_entries: a :class:`PrivacyLedger` or ``(GaussianRound, count)`` pairs, in order.
+        ledger_or_entries: a :class:`PrivacyLedger` or ``(event, count)`` pairs, in order.
         delta: target δ in (0, 1).
         kind: ``"rdp"``, ``"prv"`` or ``"pld"`` (see the module docstring).
         rdp_orders: RDP orders for ``kind="rdp"`` (default: Opacus ``RDPAccountant.DEFAULT_ALPHAS``);
@@ -360,7 +382,7 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     Returns:
         ε >= 0 (``0.0`` for an empty ledger or only q = 0 rounds; ``inf`` if a sampled round has
         z = 0; never NaN: module docstring, "Reported values"), or ``None`` when ``kind`` cannot account
-        the ledger's sampling (``fixed`` with prv/pld).
+        the ledger (replace-one, e.g. ``fixed``, with prv/pld; events other than Gaussian rounds with prv).
 
     Raises:
         ValueError: bad ``delta``, ``kind`` or ``rdp_orders``.
@@ -373,12 +395,15 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     if not orders or not all(math.isfinite(a) and a > 1 for a in orders):
         raise ValueError(f"rdp_orders must be a non-empty list of finite orders > 1, got {rdp_orders!r}")
     entries = _as_ledger(ledger_or_entries).entries
-    if entries and entries[0][0].sampling == "fixed" and kind != "rdp":
+    if entries and entries[0][0].neighboring_relation == _REPLACE_ONE and kind != "rdp":
         return None
-    active = [(rnd, count) for rnd, count in entries if rnd.q > 0]
+    gaussian = [rnd for rnd, _ in entries if isinstance(rnd, GaussianRound)]
+    if kind == "prv" and len(gaussian) < len(entries):
+        return None
+    active = [(rnd, count) for rnd, count in entries if not isinstance(rnd, GaussianRound) or rnd.q > 0]
     if not active:
         return 0.0
-    if any(rnd.noise_multiplier == 0 for rnd, _ in active):
+    if any(rnd.noise_multiplier == 0 and rnd.q > 0 for rnd in gaussian):
         return math.inf
     if kind != "rdp" and _rdp_epsilon(active, delta, orders) > EPSILON_CEILING:
         return math.inf  # module docstring, "Accountable range": no grid for a guarantee beyond e^100
@@ -421,7 +446,7 @@ def epsilons(ledger: PrivacyLedger | Iterable[Entry], delta: float, kinds: Itera
     return {kind: epsilon(ledger, delta, kind, rdp_orders=rdp_orders) for kind in kinds}
 
 
-def would_exceed(ledger: PrivacyLedger | Iterable[Entry], next_round: GaussianRound, delta: float,
+def would_exceed(ledger: PrivacyLedger | Iterable[Entry], next_round: AccountedEvent, delta: float,
                  kind: AccountantKind, max_epsilon: float, rdp_orders: Sequence[float] | None = None) -> bool:
     """Whether running ``next_round`` would take ε above ``max_epsilon`` (invariant 8: ask BEFORE the round).
 
@@ -430,7 +455,7 @@ def would_exceed(ledger: PrivacyLedger | Iterable[Entry], next_round: GaussianRo
     """
     eps = epsilon(PrivacyLedger(_as_ledger(ledger).entries).compose(next_round), delta, kind, rdp_orders=rdp_orders)
     if eps is None:
-        raise ValueError(f"accountant {kind!r} cannot account sampling={next_round.sampling!r}; budget with 'rdp'")
+        raise ValueError(f"accountant {kind!r} cannot account {_describe(next_round)}; budget with 'rdp'")
     return eps > max_epsilon
 
 

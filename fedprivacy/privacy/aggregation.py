@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedprivacy.privacy.clipping import clip_scale, float32_exact_scale, l2_norm_bound
-from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.noise import NoiseStream
 from fedprivacy.privacy.placement import Placement, server_noise_std
 from fedprivacy.updates import REJECTION_REASONS, SparseUpdate
 
@@ -133,7 +133,7 @@ class PrivateSum:
         return server_noise_std(self.placement, self.noise_multiplier, self.clip_norm, self.expected_cohort,
                                 self.stats.accepted)
 
-    def prefetch_noise(self, noise: GaussianNoise) -> None:
+    def prefetch_noise(self, noise: NoiseStream) -> None:
         """Start the release's draw now, on ``noise``'s background thread, when it cannot depend on
         the replies (central placement: std ``zC``, nonzero); :meth:`release` then consumes it. The
         same draw from the same generator state as drawing at release: the values are bit-identical.
@@ -142,7 +142,7 @@ class PrivateSum:
         if self.placement == "central" and self.server_noise_std() > 0:
             noise.prefetch_(self._sum)
 
-    def release(self, noise: GaussianNoise) -> torch.Tensor:
+    def release(self, noise: NoiseStream) -> torch.Tensor:
         """``(sum + N(0, s^2 I)) / m`` with ``s = server_noise_std()``: the only value that leaves the mechanism."""
         noise.add_(self._sum, self.server_noise_std())
         return self._sum.div_(self.expected_cohort)

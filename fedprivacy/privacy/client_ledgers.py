@@ -144,7 +144,7 @@ class ClientLedgers:
 
     def weak_delta(self, client: int, default: float) -> bool:
         """Whether ``client``'s delta is at least 1 / n, n its privacy units (its events' largest population)."""
-        units = max(event.population for event, _ in self._ledgers[client].entries)
+        units = max(event.population for event, _ in self._ledgers[client].entries if isinstance(event, GaussianRound))
         return self.delta(client, default) >= 1 / units
 
     def __len__(self) -> int:

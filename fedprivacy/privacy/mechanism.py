@@ -24,16 +24,23 @@ rounds, so that no re-run reuses a logged draw),
 the adaptive clip ``C_t``, the privacy ledger and, when given one, the write-ahead release log: every
 release is durably logged before its noise is added (:mod:`.release_log`).
 
-Seams: a subclass may override :meth:`aggregator` (how updates are clipped and summed) and
-:meth:`privatize` (how the sum is noised and divided); the audit's deliberately broken mechanisms
-(:mod:`fedprivacy.audit`) do exactly that, so they break the real pipeline, not a copy of it.
+Seams. The noise is a :class:`~fedprivacy.privacy.noise.NoiseStream` (``noise_stream``, default
+:class:`~fedprivacy.privacy.noise.GaussianNoise`): release ``k``'s draw, its std factor ``f_k`` (the value
+std is ``z_v C_t f_k``; Phi_t reads the same factor) and its accounted event (a registered
+:mod:`~fedprivacy.privacy.events` event, composed by the ledger and logged ahead by the release log) all
+come from the stream, so a mechanism with noise correlated across rounds is a new stream, not an edit
+here. The cohort comes from a :class:`~fedprivacy.privacy.sampling.ParticipationSchedule`. A subclass may
+override :meth:`aggregator` (how updates are clipped and summed) and :meth:`privatize` (how the sum is
+noised and divided); the audit's deliberately broken mechanisms (:mod:`fedprivacy.audit`) do exactly
+that, so they break the real pipeline, not a copy of it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 import numpy as np
 import torch
@@ -43,10 +50,14 @@ from fedprivacy.privacy.accounting import (AccountantKind, GaussianRound, Privac
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
-from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.events import AccountedEvent
+from fedprivacy.privacy.noise import GaussianNoise, NoiseStream
 from fedprivacy.privacy.placement import Placement, released_noise_variance
-from fedprivacy.privacy.release_log import ReleaseLog, draw_id, rekeyed_seed
+from fedprivacy.privacy.release_log import ReleaseLog, rekeyed_seed
 from fedprivacy.privacy.sampling import make_sampler
+
+NoiseStreamFactory = Callable[..., NoiseStream]
+"""Builds a :class:`~fedprivacy.privacy.noise.NoiseStream` as ``factory(seed, device=..., secure=...)``."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,19 @@ class AdaptiveClipping:
     target_quantile: float
     learning_rate: float
     count_stddev: float
+
+
+class Release(NamedTuple):
+    """What one release gives the post-processing step (:class:`~fedprivacy.optim.server_step.ServerStep`)."""
+
+    g: torch.Tensor
+    """``g_t``, the noisy average."""
+    phi: float
+    """Phi_t: the per-coordinate variance of the noise in ``g_t`` (DP-AdamBC, Tang et al., arXiv:2312.14334, §4)."""
+    clip_norm: float
+    """C_t, the clip it was released at."""
+    unclipped_fraction: float | None
+    """Under adaptive clipping, the released fraction of unclipped updates; else None."""
 
 
 def _check_arguments(noise_multiplier: float, clip_norm: float, expected_cohort: int, placement: str) -> None:
@@ -88,14 +112,22 @@ class GaussianMechanism:
         seed: None (default): noise and cohort from the OS's cryptographic source; an int: reproducible
             from it (a simulation).
         device: where the sum and the noise live.
+        noise_stream: the server's noise across releases (module docstring, "Seams"); a stream other than
+            :class:`GaussianNoise` needs ``central`` placement and a fixed clip (the clients' shares and the
+            adaptive clip's count are independent Gaussians).
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
                  sampling: Sampling = "poisson", placement: Placement = "central",
                  adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
                  noise_population: int | None = None, seed: int | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise) -> None:
         _check_arguments(noise_multiplier, clip_norm, expected_cohort, placement)
+        if noise_stream is not GaussianNoise and (placement != "central" or adaptive is not None):
+            raise ValueError(f"noise_stream={getattr(noise_stream, '__name__', noise_stream)} needs placement='central' "
+                             f"and a fixed clip_norm (got placement={placement!r}, adaptive clipping "
+                             f"{'on' if adaptive else 'off'}): client shares and the clip count draw independent noise")
+        self.noise_stream = noise_stream
         self.noise_multiplier = noise_multiplier
         self.expected_cohort = expected_cohort
         self.population = population
@@ -126,27 +158,41 @@ class GaussianMechanism:
     def _seed_generators(self) -> None:
         seed = 0 if self.seed is None else rekeyed_seed(self.seed, self.epoch)  # ignored when secure
         self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure)
-        self.noise = GaussianNoise(seed, device=self.device, secure=self.secure)
+        self.noise: NoiseStream = self.noise_stream(seed, device=self.device, secure=self.secure)
 
     def sample(self) -> np.ndarray:
         """This round's cohort: sorted indices into ``0..population-1`` (Poisson: possibly empty)."""
         return self.sampler.sample()
 
-    def event(self) -> GaussianRound:
-        """The accounting event of one release: the sampler's, or the emulated deployment's."""
-        if self.noise_cohort is None:
-            return self.sampler.round_event(self.noise_multiplier)
-        return GaussianRound(noise_multiplier=self.noise_multiplier, sampling=self.sampling,
-                             population=self.claim_population, expected_cohort=float(self.noise_cohort))
+    @property
+    def next_release(self) -> int:
+        """The number of the next release (the ledger holds releases ``1..next_release - 1``)."""
+        return self.ledger.rounds + 1
+
+    def event(self) -> AccountedEvent:
+        """The accounting event of the next release (:meth:`event_at`)."""
+        return self.event_at(self.next_release)
+
+    def event_at(self, release: int) -> AccountedEvent:
+        """What release ``release`` is accounted as: the noise stream's event for the sampler's (or the emulated
+        deployment's) subsampled Gaussian with noise multiplier ``z``."""
+        sampled = (self.sampler.round_event(self.noise_multiplier) if self.noise_cohort is None else
+                   GaussianRound(noise_multiplier=self.noise_multiplier, sampling=self.sampling,
+                                 population=self.claim_population, expected_cohort=float(self.noise_cohort)))
+        return self.noise.event(sampled, release)
+
+    def _value_noise_multiplier(self) -> float:
+        """The next release's value noise multiplier on the simulated sum: ``z_v f_k``."""
+        return self.value_noise_multiplier * self.noise.std_factor(self.next_release)
 
     def aggregator(self, dim: int) -> PrivateSum:
         """The round's streaming clip-and-sum at C_t (seam: how updates are clipped and summed)."""
-        return PrivateSum(dim, clip_norm=self.clip_norm, noise_multiplier=self.value_noise_multiplier,
+        return PrivateSum(dim, clip_norm=self.clip_norm, noise_multiplier=self._value_noise_multiplier(),
                           expected_cohort=float(self.expected_cohort), device=self.device, placement=self.placement)
 
     def phi(self) -> float:
-        """Per-coordinate noise variance of this round's released ``g_t`` at C_t (DP-AdamBC's Phi_t)."""
-        return released_noise_variance(self.placement, self.value_noise_multiplier, self.clip_norm,
+        """Per-coordinate noise variance of the next release's ``g_t`` at C_t (DP-AdamBC's Phi_t)."""
+        return released_noise_variance(self.placement, self._value_noise_multiplier(), self.clip_norm,
                                        float(self.expected_cohort))
 
     def prefetch(self, agg: PrivateSum) -> None:
@@ -157,25 +203,23 @@ class GaussianMechanism:
         """``(sum + noise) / m`` (seam: how the sum is noised and divided)."""
         return agg.release(self.noise)
 
-    def release(self, agg: PrivateSum, round_: int) -> tuple[torch.Tensor, float | None]:
+    def release(self, agg: PrivateSum, round_: int) -> Release:
         """Log the release ahead (if a log is attached), draw the noise, divide, then (adaptive
         clipping) release the clipped count and move C; compose the round's event into the ledger.
-
-        Returns:
-            ``g_t`` and, under adaptive clipping, the released unclipped fraction (else None).
-        """
-        event = self.event()
+        Returns ``g_t`` with the Phi_t and C_t it was released at (:class:`Release`)."""
+        event, phi, clip_norm = self.event(), self.phi(), self.clip_norm
         if self.release_log is not None:
-            draw = draw_id(self.noise.state_dict()["generator"]) if agg.server_noise_std() > 0 else None
+            draw = self.noise.draw_id() if agg.server_noise_std() > 0 else None
             self.release_log.record(self.ledger, round_, event, draw)  # durable BEFORE the noise is added
         g = self.privatize(agg)
         fraction = None
-        if self.adaptive:  # its count draw follows the value draw on the same generator
+        if self.adaptive:  # its count draw follows the value draw on the same generator (GaussianNoise)
             st = agg.stats
+            assert isinstance(self.noise, GaussianNoise)
             fraction = self.adaptive.update_(st.accepted - st.clipped, st.accepted, self.noise,
                                              noise_free=self.noise_multiplier == 0.0)
         self.ledger.compose(event)
-        return g, fraction
+        return Release(g, phi, clip_norm, fraction)
 
     # -- accounting ----------------------------------------------------------------------------
     def epsilons(self, delta: float, kinds: list[AccountantKind]) -> dict[str, float | None]:
@@ -195,7 +239,7 @@ class GaussianMechanism:
             ValueError: the log cannot be the record of this run's releases (it holds fewer than the
                 ledger, or an event other than the ledger's or this mechanism's; :meth:`ReleaseLog.check`).
         """
-        log.check(self.ledger, self.event())
+        log.check(self.ledger, self.event_at)
         self.release_log = log
         lost = log.lost_since(self.ledger)
         if lost:

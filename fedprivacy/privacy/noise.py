@@ -14,16 +14,27 @@ while the clients train or already during the previous round's tail. The same ge
 single draw, consumed by the next :meth:`add_`: the released values and the generator state are
 bit-identical to drawing at release time. A checkpoint taken while a draw is pending holds the
 state before it, so a resumed run draws exactly that vector again.
+
+The server's noise is a :class:`NoiseStream` injected into the mechanism
+(:class:`~fedprivacy.privacy.mechanism.GaussianMechanism`, ``noise_stream=``): what release ``k`` adds,
+its marginal std relative to ``z C`` (what DP-FedAdamBC's Phi and the reports read) and the event the
+ledger composes for it. :class:`GaussianNoise`, independent ``N(0, z^2 C^2 I)`` every release, is the
+default; a stream whose draw depends on earlier releases (DP-FTRL's tree, banded matrix factorization,
+BLT) keeps that state and checkpoints it in its ``state_dict``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from fedprivacy.privacy.events import AccountedEvent
 
 NOISE_STREAM = 0x6E6F697365  # "noise": keeps this stream disjoint from other seeded stages
 
@@ -31,6 +42,36 @@ NOISE_STREAM = 0x6E6F697365  # "noise": keeps this stream disjoint from other se
 def torch_seed(seq: np.random.SeedSequence) -> int:
     """A seed for ``torch.Generator.manual_seed`` from ``seq``: its first 64-bit word, shifted to 63 bits."""
     return int(seq.generate_state(1, np.uint64)[0] >> 1)
+
+
+def draw_id(generator_state: Any) -> str:
+    """A short fingerprint of the generator state a draw starts from (same state, same draw)."""
+    return hashlib.sha256(np.asarray(generator_state).tobytes()).hexdigest()[:32]
+
+
+class NoiseStream(Protocol):
+    """The server's noise over a run's releases, numbered ``1, 2, ...`` as the ledger composes them
+    (module docstring). Built as ``factory(seed, device=..., secure=...)`` (:class:`GaussianNoise`'s
+    signature), again with a new seed after a resume that re-runs released rounds."""
+
+    def std_factor(self, release: int) -> float:
+        """The std of release ``release``'s noise on the sum, per coordinate, in units of ``z C``."""
+
+    def event(self, sampled: AccountedEvent, release: int) -> AccountedEvent:
+        """What release ``release`` is accounted as, given the independent-Gaussian event of its sampler."""
+
+    def prefetch_(self, like: torch.Tensor) -> None:
+        """Start the next :meth:`add_`'s draw early (or do nothing)."""
+
+    def add_(self, target: torch.Tensor, std: float) -> None:
+        """Add this release's noise to ``target`` in place; ``std`` is ``z_v C std_factor(release)``."""
+
+    def draw_id(self) -> str:
+        """A fingerprint of the draw the next :meth:`add_` makes (the release log refuses a reused one)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class _Pending(NamedTuple):
@@ -43,7 +84,8 @@ class _Pending(NamedTuple):
 
 
 class GaussianNoise:
-    """Dedicated generator for the server's Gaussian noise."""
+    """Dedicated generator for the server's Gaussian noise: independent ``N(0, z^2 C^2 I)`` every release
+    (the default :class:`NoiseStream`)."""
 
     def __init__(self, seed: int, *, device: str | torch.device = "cpu", secure: bool = False,
                  stream: tuple[int, ...] = ()) -> None:
@@ -58,6 +100,18 @@ class GaussianNoise:
             self._gen.manual_seed(torch_seed(np.random.SeedSequence([seed, NOISE_STREAM, *stream])))
         self._pending: _Pending | None = None
         self._worker: ThreadPoolExecutor | None = None
+
+    def std_factor(self, release: int) -> float:
+        """1: every release's noise has std ``z C``."""
+        return 1.0
+
+    def event(self, sampled: AccountedEvent, release: int) -> AccountedEvent:
+        """The sampler's event itself (an independent subsampled Gaussian)."""
+        return sampled
+
+    def draw_id(self) -> str:
+        """A fingerprint of the generator state the next draw starts from."""
+        return draw_id(self.state_dict()["generator"])
 
     def _draw(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(like).normal_(0.0, 1.0, generator=self._gen)

@@ -10,7 +10,10 @@ two releases is one client's clipped update, noise-free).
 So, before a round's noise is added (and so before its release can leave the server), one JSON
 line is appended to ``releases.jsonl`` and fsynced:
 
-``{"release": k, "round": t, "epoch": e, "draw": <id of the noise draw>, "event": <GaussianRound>}``
+``{"release": k, "round": t, "epoch": e, "draw": <id of the noise draw>, "event": <the accounted event>}``
+
+(the event as :func:`~fedprivacy.privacy.events.event_to_dict` writes it; a line written before events
+carried their ``type`` is a :class:`~fedprivacy.privacy.accounting.GaussianRound`)
 
 - ``release`` is the release's position in the privacy ledger (1, 2, ...), re-runs included;
 - ``draw`` identifies the generator state the noise is drawn from (``None`` when the server draws
@@ -37,24 +40,19 @@ checkpoint too, never goes back below the checkpoint's.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger
+from fedprivacy.privacy.accounting import PrivacyLedger
+from fedprivacy.privacy.events import AccountedEvent, event_from_dict, event_to_dict
 
 RELEASES = "releases.jsonl"
 REKEY_STREAM = 0x72656B6579  # "rekey"
-
-
-def draw_id(generator_state: Any) -> str:
-    """A short fingerprint of the generator state a draw starts from (same state, same draw)."""
-    return hashlib.sha256(np.asarray(generator_state).tobytes()).hexdigest()[:32]
 
 
 def rekeyed_seed(seed: int, epoch: int) -> int:
@@ -66,7 +64,7 @@ def rekeyed_seed(seed: int, epoch: int) -> int:
 
 def _parse_entry(line: bytes) -> dict[str, Any]:
     """One record, every field of its type (``release`` and ``round`` integers >= 1, ``epoch`` >= 0, ``draw``
-    a string or null, ``event`` a valid ``GaussianRound``); ValueError, KeyError or TypeError otherwise."""
+    a string or null, ``event`` a valid registered event); ValueError, KeyError or TypeError otherwise."""
     entry = json.loads(line)
     record = {k: entry[k] for k in ("release", "round", "epoch", "draw", "event")}
     for name, minimum in (("release", 1), ("round", 1), ("epoch", 0)):
@@ -75,8 +73,16 @@ def _parse_entry(line: bytes) -> dict[str, Any]:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if not (record["draw"] is None or isinstance(record["draw"], str)):
         raise ValueError(f"draw must be a string or null, got {record['draw']!r}")
-    GaussianRound(**record["event"])
+    record["event"] = logged_event(record["event"])
     return record
+
+
+def logged_event(item: Any) -> AccountedEvent:
+    """A logged event (:func:`~fedprivacy.privacy.events.event_from_dict`; no ``type``: a ``GaussianRound``,
+    as every line was before events carried their type)."""
+    if isinstance(item, dict) and "type" not in item:
+        item = {"type": "GaussianRound", **item}
+    return event_from_dict(item)
 
 
 class ReleaseLog:
@@ -114,9 +120,9 @@ class ReleaseLog:
                 raise ValueError(f"{self.path}: release {entry['release']} follows release {before['release']}")
         return entries
 
-    def check(self, ledger: PrivacyLedger, event: GaussianRound) -> None:
+    def check(self, ledger: PrivacyLedger, event_at: Callable[[int], AccountedEvent]) -> None:
         """Refuse a log that cannot be the record of the run whose checkpointed ``ledger`` it extends and whose
-        every release is ``event`` (module docstring: damage is refused, never read as fewer releases).
+        release ``k`` is ``event_at(k)`` (module docstring: damage is refused, never read as fewer releases).
 
         Raises:
             ValueError: naming the file and what is wrong.
@@ -129,14 +135,14 @@ class ReleaseLog:
         expected = [rnd for rnd, count in ledger.entries for _ in range(count)]
         for entry in self.entries:
             position = entry["release"]
-            want = expected[position - 1] if position <= len(expected) else event
-            if GaussianRound(**entry["event"]) != want:
-                raise ValueError(f"{self.path}: release {position} logs the event {entry['event']}, but this run "
-                                 f"accounts {dataclasses.asdict(want)} there; refusing a log of other releases")
+            want = expected[position - 1] if position <= len(expected) else event_at(position)
+            if entry["event"] != want:
+                raise ValueError(f"{self.path}: release {position} logs the event {event_to_dict(entry['event'])}, "
+                                 f"but this run accounts {event_to_dict(want)} there; refusing a log of other releases")
 
-    def lost_since(self, ledger: PrivacyLedger) -> list[GaussianRound]:
+    def lost_since(self, ledger: PrivacyLedger) -> list[AccountedEvent]:
         """The events of releases made after ``ledger`` was checkpointed (it holds releases 1..``ledger.rounds``)."""
-        return [GaussianRound(**e["event"]) for e in self.entries if e["release"] > ledger.rounds]
+        return [e["event"] for e in self.entries if e["release"] > ledger.rounds]
 
     def start_epoch(self, checkpointed: int = 0) -> int:
         """Begin a new epoch (a resume that re-runs released rounds), after every epoch this log or the
@@ -144,18 +150,18 @@ class ReleaseLog:
         self.epoch = max(self.epoch, checkpointed) + 1
         return self.epoch
 
-    def record(self, ledger: PrivacyLedger, round_: int, event: GaussianRound, draw: str | None) -> None:
+    def record(self, ledger: PrivacyLedger, round_: int, event: AccountedEvent, draw: str | None) -> None:
         """Durably log one release BEFORE its noise is added, as release ``ledger.rounds + 1`` (the
         ledger holds every earlier one); refuses a draw already released."""
         if draw is not None and draw in self._draws:
             raise RuntimeError(f"round {round_}: the noise draw {draw} was already used by an earlier release "
                                f"({self.path}); refusing to release it again")
-        entry = {"release": ledger.rounds + 1, "round": round_, "epoch": self.epoch, "draw": draw,
-                 "event": dataclasses.asdict(event)}
+        entry = {"release": ledger.rounds + 1, "round": round_, "epoch": self.epoch, "draw": draw, "event": event}
         if self._torn is not None:
             os.truncate(self.path, self._torn)
         with open(self.path, "ab") as f:
-            f.write((b"\n" if self._unterminated else b"") + (json.dumps(entry) + "\n").encode())
+            line = json.dumps({**entry, "event": event_to_dict(event)})
+            f.write((b"\n" if self._unterminated else b"") + (line + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
         self._torn, self._unterminated = None, False

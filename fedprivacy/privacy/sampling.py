@@ -8,21 +8,46 @@
 Both draw from their own ``numpy`` generator whose state is checkpointed: seeded from the run seed
 (reproducible, predictable by whoever knows it) or, ``secure=True``, from the OS's cryptographic
 source, so that the cohort is as secret as the amplification by sampling assumes.
+
+Both are participation schedules (:class:`ParticipationSchedule`), named in :data:`SCHEDULES`: a schedule whose cohort depends on
+the round (cyclic participation: ``b`` groups in turn, Poisson within a group; min-separated participation)
+keeps its position in its state and pairs itself with the event its participation is accounted as.
 """
 
 from __future__ import annotations
 
 import secrets
+from typing import Any, Protocol
 
 import numpy as np
 
-from fedprivacy.privacy.accounting import GaussianRound
+from fedprivacy.privacy.accounting import GaussianRound, Sampling
+from fedprivacy.privacy.events import AccountedEvent
 
 SAMPLING_STREAM = 0x73616D706C65  # "sample"
 
 
+class ParticipationSchedule(Protocol):
+    """Who participates in each round, and what that is accounted as (module docstring). Built as
+    ``cls(population, expected_cohort, seed, secure)``; :meth:`sample` is called once per round, in order."""
+
+    @property
+    def kind(self) -> str:
+        """Its name in :data:`SCHEDULES`."""
+
+    def sample(self) -> np.ndarray:
+        """Sorted indices into ``0..population-1`` of this round's cohort."""
+
+    def round_event(self, noise_multiplier: float) -> AccountedEvent:
+        """The event of one round released with independent Gaussian noise of multiplier ``noise_multiplier``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class _Sampler:
-    kind: str
+    kind: Sampling
 
     def __init__(self, population: int, expected_cohort: int, seed: int, secure: bool = False) -> None:
         if population < 1:
@@ -72,10 +97,14 @@ class FixedSizeSampler(_Sampler):
         return np.sort(self._rng.choice(self.population, size=self.expected_cohort, replace=False))
 
 
+SCHEDULES: dict[str, type[PoissonSampler] | type[FixedSizeSampler]] = {"poisson": PoissonSampler,
+                                                                       "fixed": FixedSizeSampler}
+"""The participation schedules ``privacy.sampling`` names."""
+
+
 def make_sampler(kind: str, population: int, expected_cohort: int, seed: int,
-                 secure: bool = False) -> PoissonSampler | FixedSizeSampler:
-    """Build the sampler named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``)."""
-    samplers = {"poisson": PoissonSampler, "fixed": FixedSizeSampler}
-    if kind not in samplers:
-        raise ValueError(f"sampling must be one of {sorted(samplers)}, got {kind!r}")
-    return samplers[kind](population, expected_cohort, seed, secure)
+                 secure: bool = False) -> ParticipationSchedule:
+    """Build the schedule named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"sampling must be one of {sorted(SCHEDULES)}, got {kind!r}")
+    return SCHEDULES[kind](population, expected_cohort, seed, secure)

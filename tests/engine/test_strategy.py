@@ -370,7 +370,7 @@ def test_the_default_draws_cohort_and_noise_from_the_os_and_a_seed_is_logged_as_
     def released(**kw):
         strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=5, population=20, **kw)
         cohort = strategy.mechanism.sample()
-        g, _ = strategy.mechanism.release(strategy.mechanism.aggregator(1000), 1)
+        g = strategy.mechanism.release(strategy.mechanism.aggregator(1000), 1).g
         return strategy, cohort, g
     a, cohort_a, ga = released()
     b, cohort_b, gb = released()

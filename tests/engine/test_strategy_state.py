@@ -114,7 +114,7 @@ def test_kill_9_at_random_moments_then_restart_never_under_counts_and_never_reus
     final = json.loads(out.strip().splitlines()[-1])
     entries = ReleaseLog(state).entries
     saved = torch.load(state / STATE, weights_only=False)
-    ledger = PrivacyLedger.from_state_dict(saved["mechanism"]["ledger"])
+    ledger = PrivacyLedger.from_state_dict(saved["ledger"])
     assert final["round"] == saved["round"] == rounds
     assert ledger.rounds == len(entries) == final["releases"] >= rounds  # every logged release is accounted
     draws = [e["draw"] for e in entries]

@@ -167,8 +167,8 @@ def test_dp_fedadambc_under_disk_subtracts_the_filtered_noise_variance(small_con
         agg = server.mechanism.aggregator(d)
         for _ in range(m):
             assert agg.add_(SparseUpdate.dense(torch.full((d,), s, dtype=torch.float32)))
-        g, _ = server.mechanism.release(agg, 1)
-        server.post_process(g, server.mechanism.phi())
+        released = server.mechanism.release(agg, 1)
+        server.post_process(released.g, released.phi)
     opt = server.optimizer
     shifted_square = opt._denominator(opt.v, opt.count) ** 2
     assert server.step.disk.noise_variance == pytest.approx(0.538, rel=0.01)

@@ -21,7 +21,7 @@ def test_the_event_matches_the_sampler_and_the_draw_matches_the_event(sampling):
     m = _mechanism(sampling=sampling)
     assert m.event() == GaussianRound(2.0, sampling, 1000, 10.0)
     agg = m.aggregator(200_000)
-    g, fraction = m.release(agg, 1)
+    g, _, _, fraction = m.release(agg, 1)
     assert fraction is None
     # one dense draw of std zC on the (empty) sum, divided by the expected cohort: std zC/m = 0.1
     assert float(g.std()) == pytest.approx(2.0 * 0.5 / 10, rel=0.01)
@@ -33,7 +33,7 @@ def test_emulation_draws_for_the_simulated_cohort_and_accounts_the_deployment():
     m = _mechanism(noise_cohort=100, noise_population=10**6)
     assert m.value_noise_multiplier == pytest.approx(2.0 * 10 / 100)
     assert m.event() == GaussianRound(2.0, "poisson", 10**6, 100.0)
-    g, _ = m.release(m.aggregator(200_000), 1)
+    g = m.release(m.aggregator(200_000), 1).g
     assert float(g.std()) == pytest.approx(0.2 * 0.5 / 10, rel=0.01)
 
 
@@ -45,7 +45,7 @@ def test_adaptive_clipping_inflates_the_value_noise_so_both_releases_compose_to_
     agg = m.aggregator(10)
     agg.add_(SparseUpdate.dense(torch.full((10,), 1.0)))  # norm 3.16 > C: clipped
     before = m.clip_norm
-    _, fraction = m.release(agg, 1)
+    fraction = m.release(agg, 1).unclipped_fraction
     assert fraction is not None and m.clip_norm != before
     assert m.ledger.entries == ((GaussianRound(1.0, "poisson", 1000, 10.0), 1),)  # accounted at z, not z_v
 
@@ -66,8 +66,8 @@ def test_state_round_trip_continues_the_same_draws_and_cohorts():
     b = _mechanism(seed=99)
     b.load_state_dict(a.state_dict())
     assert (a.sample() == b.sample()).all()
-    ga, _ = a.release(a.aggregator(50), 2)
-    gb, _ = b.release(b.aggregator(50), 2)
+    ga = a.release(a.aggregator(50), 2).g
+    gb = b.release(b.aggregator(50), 2).g
     assert torch.equal(ga, gb) and a.ledger.entries == b.ledger.entries
 
 
@@ -75,8 +75,8 @@ def test_without_a_seed_mechanisms_draw_from_the_os_and_differ():
     a, b = _mechanism(seed=None), GaussianMechanism(noise_multiplier=2.0, clip_norm=0.5, expected_cohort=10,
                                                     population=1000)  # the default: no seed
     assert a.secure and b.secure
-    ga, _ = a.release(a.aggregator(100), 1)
-    gb, _ = b.release(b.aggregator(100), 1)
+    ga = a.release(a.aggregator(100), 1).g
+    gb = b.release(b.aggregator(100), 1).g
     assert not torch.equal(ga, gb)
     assert not math.isnan(float(ga.sum()))
 
@@ -88,8 +88,8 @@ def test_a_secure_mechanism_persists_nothing_that_rebuilds_a_draw_or_a_cohort():
     b = _mechanism(seed=None)
     b.load_state_dict(state)  # a resume: the ledger comes back, the generators stay fresh from the OS
     assert b.ledger.entries == a.ledger.entries
-    ga, _ = a.release(a.aggregator(100), 1)
-    gb, _ = b.release(b.aggregator(100), 1)
+    ga = a.release(a.aggregator(100), 1).g
+    gb = b.release(b.aggregator(100), 1).g
     assert not torch.equal(ga, gb)
 
 
