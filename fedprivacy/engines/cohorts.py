@@ -54,7 +54,6 @@ from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.client_app import ClientJob, client_reply
 from fedprivacy.fl.records import load_record_
-from fedprivacy.models.lstm import NextWordLSTM
 from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.task import Task
 
@@ -195,7 +194,7 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
     ``cohort_batching``: ``off``, ``None``; ``on``, a trainer, or :class:`ConfigError` naming what
     prevents it; ``auto``, a trainer when supported and either the task trains the sparse model in
     closed form (the tag task: faster at every cohort measured, module docstring) or the model has
-    at most :data:`AUTO_MAX_PARAMETERS` parameters, it is not the next-word LSTM and
+    at most :data:`AUTO_MAX_PARAMETERS` parameters, has no ``vmap_forward`` of its own (not the next-word LSTM) and
     ``privacy.expected_cohort`` is at least :data:`AUTO_MIN_COHORT`, else ``None``. The trainer's
     threads: :func:`~fedprivacy.engines.processes.run_processes`.
     """
@@ -230,9 +229,11 @@ def _announce(trainer: CohortTrainer) -> CohortTrainer:
 
 
 def _auto_chooses(cfg: RunConfig, model: torch.nn.Module) -> bool:
-    """``auto``'s rule (never a timing): not the LSTM, at most :data:`AUTO_MAX_PARAMETERS` parameters,
-    an expected cohort of at least :data:`AUTO_MIN_COHORT`."""
-    return (type(model) is not NextWordLSTM and sum(p.numel() for p in model.parameters()) <= AUTO_MAX_PARAMETERS
+    """``auto``'s rule (never a timing): a model without its own ``vmap_forward`` (a model that has one, as the
+    next-word LSTM's recurrence unrolled step by step, ran about 2x slower batched), at most
+    :data:`AUTO_MAX_PARAMETERS` parameters, an expected cohort of at least :data:`AUTO_MIN_COHORT`."""
+    return (getattr(model, "vmap_forward", None) is None
+            and sum(p.numel() for p in model.parameters()) <= AUTO_MAX_PARAMETERS
             and cfg.privacy.expected_cohort >= AUTO_MIN_COHORT)
 
 

@@ -26,7 +26,7 @@ loss, example counts, other records) stays on the device: each such value is a f
 client's data released without noise.
 
 :func:`noised_upload` and :func:`compressed_upload` are these mods' math on a delta
-:math:`\Delta_i` (any :class:`~fedprivacy.privacy.aggregation.SparseUpdate`). fedprivacy's ClientApp
+:math:`\Delta_i` (any :class:`~fedprivacy.updates.SparseUpdate`). fedprivacy's ClientApp
 (:func:`fedprivacy.fl.client_app.client_reply`, also the reply of each client the cohort engine trains)
 calls them with its own delta, its simulation's seeded noise stream and the round's clip norm
 ``C_t``; its residual lives under the same :data:`RESIDUAL_KEY`.
@@ -64,8 +64,8 @@ def compressed_upload(update: SparseUpdate, state: RecordDict, **settings: Any) 
     :math:`e` read from ``state[RESIDUAL_KEY]`` (zero when absent) and replaced there by
     :math:`e \leftarrow Q(a - T_k(a))` (removed when nothing is left over).
 
-    :func:`fedprivacy.client.compression.compress` is the math (DP-MicroAdam's uplink, notes/microadam.md
-    §3); ``settings`` are its keyword arguments (``density``, ``clip_norm``, ``quantization``, ...).
+    :func:`fedprivacy.client.compression.compress` is the math (DP-MicroAdam's uplink, arXiv:2511.20509,
+    Alg. 1 lines 8-13); ``settings`` are its keyword arguments (``density``, ``clip_norm``, ``quantization``, ...).
     Returns :math:`s` (flat COO) and the bytes the new residual takes on the device.
     """
     held = state.array_records.get(RESIDUAL_KEY)

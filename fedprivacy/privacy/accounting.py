@@ -95,7 +95,7 @@ ADADPS_RDP_ORDERS: tuple[float, ...] = (
     + tuple(5.0 + 0.5 * i for i in range(118))  # numpy.arange(5, 64, 0.5)
     + (128.0, 256.0, 512.0)
 )
-"""RDP orders of the AdaDPS code (TF-Privacy ``compute_privacy_sgm.py``; notes/adadps.md §4)."""
+"""RDP orders of the AdaDPS authors' code (Li et al., arXiv:2202.05963; TF-Privacy ``compute_privacy_sgm.py``)."""
 
 PRV_EPS_ERROR = 0.01
 """Additive ε slack of the Opacus PRV upper bound (``PRVAccountant.get_epsilon`` default)."""
