@@ -45,7 +45,6 @@ from fedprivacy.client.compression import Residual, compress
 from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays,
                                    update_to_record, vector_to_arrays)
 from fedprivacy.updates import SparseUpdate
-from fedprivacy.privacy.client_ledgers import METRIC_PREFIX
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import Placement, client_noise_std, privatize_upload_
 
@@ -95,6 +94,8 @@ def client_noise_mod(*, placement: Placement, noise_multiplier: float, clip_norm
         reply = call_next(msg, context)
         if msg.metadata.message_type != "train" or reply.has_error():
             return reply
+        from fedprivacy.privacy.client_ledgers import METRIC_PREFIX  # here: fedprivacy's ClientApp imports no accountant
+
         sent, start, delta = _weights_delta(msg, reply)
         upload = noised_upload(SparseUpdate.dense(delta), clip_norm, std, GaussianNoise(0, secure=True))
         content = RecordDict({"arrays": arrays_to_record(vector_to_arrays(start + upload.values, sent))})
