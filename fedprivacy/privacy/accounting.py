@@ -181,6 +181,76 @@ class GaussianRound:
         return gaussian
 
 
+@register_event
+@dataclasses.dataclass(frozen=True)
+class MatrixMechanismRun:
+    """A whole horizon of a correlated-noise (matrix factorization) mechanism, accounted at its first release:
+    ONE Gaussian mechanism of multiplier ``z`` on ``C x`` (:mod:`fedprivacy.privacy.matrix_factorization`; the
+    noise is scaled by the strategy's sensitivity under ``participations`` releases ``separation`` apart).
+
+    Attributes:
+        noise_multiplier: z, in units of the strategy's sensitivity times the clip norm.
+        mechanism: ``tree``, ``bandmf`` or ``blt`` (what the release log and the ledger name).
+        horizon, separation, participations: the releases covered, the min separation ``b``, and ``k``.
+    """
+
+    noise_multiplier: float
+    mechanism: str
+    horizon: int
+    separation: int
+    participations: int
+
+    def __post_init__(self) -> None:
+        z = self.noise_multiplier
+        if not _is_real(z) or not (z == 0 or MIN_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER):
+            raise ValueError(f"MatrixMechanismRun.noise_multiplier must be 0 or in [{MIN_NOISE_MULTIPLIER}, "
+                             f"{MAX_NOISE_MULTIPLIER:g}], got {z!r}")
+        if not isinstance(self.mechanism, str):
+            raise ValueError(f"MatrixMechanismRun.mechanism must be a name, got {self.mechanism!r}")
+        for field in ("horizon", "separation", "participations"):
+            if not _is_int(getattr(self, field), 1):
+                raise ValueError(f"MatrixMechanismRun.{field} must be an integer >= 1, got {getattr(self, field)!r}")
+        object.__setattr__(self, "noise_multiplier", float(z))
+
+    @property
+    def neighboring_relation(self) -> dp_accounting.NeighboringRelation:
+        """Add/remove one user (the sensitivity counts one user's participations)."""
+        return _ADD_REMOVE
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """``GaussianDpEvent(z)``: the horizon's releases are post-processing of one Gaussian release."""
+        return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+
+
+@register_event
+@dataclasses.dataclass(frozen=True)
+class CoveredRelease:
+    """A release already accounted by an earlier event: of its correlated mechanism's horizon
+    (:class:`MatrixMechanismRun`) or of its participation cycle (a min-separated or cyclic Poisson schedule,
+    whose cycle start composes the one participation a user can have in the cycle). Composes nothing.
+
+    Attributes:
+        noise_multiplier: z of the run (what a stream restarting here accounts its new horizon with).
+        by: what covers it (``cycle`` or the mechanism's name).
+    """
+
+    noise_multiplier: float
+    by: str
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.noise_multiplier) or self.noise_multiplier < 0 or not isinstance(self.by, str):
+            raise ValueError(f"CoveredRelease: noise_multiplier must be a real >= 0 and by a name, got "
+                             f"{self.noise_multiplier!r}, {self.by!r}")
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+
+    @property
+    def neighboring_relation(self) -> dp_accounting.NeighboringRelation:
+        return _ADD_REMOVE
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        return dp_accounting.NoOpDpEvent()
+
+
 Entry = tuple[AccountedEvent, int]
 _STATE_VERSION = 1
 
