@@ -133,7 +133,7 @@ class _Cohort:
         self.cohort = np.array(cohort, dtype=np.int64)
         self.round_event = sampler.round_event
 
-    def sample(self) -> np.ndarray:
+    def sample(self, release: int = 1) -> np.ndarray:
         return self.cohort
 
 

@@ -337,6 +337,19 @@ class AdaptiveClipConfig(_Section):
     """Noise std of the unclipped count; default expected_cohort / 20 (TFF)."""
 
 
+class MechanismConfig(_Section):
+    """Noise across rounds (:mod:`fedprivacy.privacy.correlated`): independent every round, or correlated so that
+    most of it cancels in the model's running sum (DP-FTRL's tree, BandMF, BLT)."""
+
+    kind: Literal["independent", "tree", "bandmf", "blt"] = "independent"
+    horizon: int | None = Field(None, ge=1)
+    """Releases one correlated strategy covers (optimized for, then restarted); default: ``rounds``."""
+    bands: int = Field(4, ge=1)
+    """BandMF's bands (at most ``privacy.groups``)."""
+    buffers: int = Field(3, ge=1)
+    """BLT's buffers."""
+
+
 class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
@@ -345,9 +358,17 @@ class PrivacyConfig(_Section):
     """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy). ``auto``:
     calibrated when the run starts (the population is known then) so that epsilon after ``rounds``
     rounds under ``budget_accountant`` is within 1% below ``target_epsilon``."""
-    sampling: Literal["poisson", "fixed"] = "poisson"
+    sampling: Literal["poisson", "fixed", "cyclic_poisson", "min_separated"] = "poisson"
     """poisson: each user joins independently with q = expected_cohort / population;
-    fixed: exactly expected_cohort users without replacement."""
+    fixed: exactly expected_cohort users without replacement; cyclic_poisson and min_separated: the users in
+    ``groups`` groups take turns (one user joins at most every ``groups`` rounds), Poisson with
+    q = expected_cohort * groups / population or expected_cohort users without replacement within the group
+    (fedprivacy.privacy.sampling)."""
+    groups: int = Field(1, ge=1)
+    """b, the number of groups of the cyclic samplings (their min separation)."""
+    mechanism: MechanismConfig = MechanismConfig()
+    """Independent noise every round (default) or a correlated mechanism, e.g. ``{kind: blt, buffers: 3}`` with
+    ``sampling: min_separated``; BandMF with ``sampling: cyclic_poisson`` is accounted with amplification."""
     expected_cohort: int = Field(100, ge=1)
     """m: expected (poisson) or exact (fixed) cohort size; also the fixed divisor."""
     delta: Delta | None = None
@@ -391,6 +412,36 @@ class PrivacyConfig(_Section):
         """sigma_b of the adaptive clipping count (configured, or m / 20)."""
         a = self.adaptive_clipping
         return a.clipped_count_stddev if a and a.clipped_count_stddev else self.expected_cohort / 20.0
+
+    @model_validator(mode="after")
+    def _mechanism_is_accountable(self) -> PrivacyConfig:
+        cyclic = self.sampling in ("cyclic_poisson", "min_separated")
+        if self.groups != 1 and not cyclic:
+            raise ValueError(f"privacy.groups={self.groups} needs privacy.sampling: cyclic_poisson or min_separated, "
+                             f"got {self.sampling!r}")
+        if cyclic and self.noise_cohort is not None:
+            raise ValueError(f"privacy.noise_cohort (emulation) needs privacy.sampling poisson or fixed, got "
+                             f"{self.sampling!r}")
+        kind = self.mechanism.kind
+        if kind == "independent":
+            return self
+        if not cyclic:
+            raise ValueError(f"privacy.mechanism.kind={kind!r} needs privacy.sampling: min_separated or cyclic_poisson, "
+                             f"got {self.sampling!r} (it bounds no user's participations: the strategy's sensitivity "
+                             "is unbounded)")
+        if self.noise_stream is not None:
+            raise ValueError(f"privacy.mechanism.kind={kind!r} and privacy.noise_stream both set the server's noise: "
+                             "choose one")
+        if self.placement != "central" or self.adaptive_clipping is not None:
+            raise ValueError(f"privacy.mechanism.kind={kind!r} needs privacy.placement: central and no "
+                             "privacy.adaptive_clipping (client shares and the clip count are independent noise)")
+        if kind == "bandmf" and self.mechanism.bands > self.groups:
+            raise ValueError(f"privacy.mechanism.bands={self.mechanism.bands} must be <= privacy.groups={self.groups} "
+                             "(columns of a strategy with more bands than the min separation overlap)")
+        if self.budget_accountant == "prv":
+            raise ValueError(f"privacy.budget_accountant='prv' cannot account privacy.mechanism.kind={kind!r} (Opacus' "
+                             "PRV models Poisson-subsampled Gaussians only): use rdp or pld")
+        return self
 
     @model_validator(mode="after")
     def _budget_accountant_is_computed(self) -> PrivacyConfig:
@@ -543,6 +594,14 @@ class RunConfig(_Section):
         if self.client.compression is not None and self.privacy.placement != "central":
             raise ValueError(f"client.compression needs privacy.placement='central' (got {self.privacy.placement!r}): "
                              "client-side noise would have to precede the data-dependent top-k")
+        return self
+
+    @model_validator(mode="after")
+    def _correlated_noise_fits_the_run(self) -> RunConfig:
+        kind = self.privacy.mechanism.kind
+        if kind != "independent" and self.server.disk is not None:
+            raise ValueError(f"server.disk models noise independent across rounds; privacy.mechanism.kind={kind!r} "
+                             "correlates it (use one or the other)")
         return self
 
     @model_validator(mode="after")

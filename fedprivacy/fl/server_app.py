@@ -40,8 +40,10 @@ from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
 from fedprivacy.outputs import RunOutputs
-from fedprivacy.privacy.calibration import calibrate_noise_multiplier
-from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory
+from fedprivacy.privacy.accounting import epsilon
+from fedprivacy.privacy.calibration import calibrate_noise_multiplier, solve_noise_multiplier
+from fedprivacy.privacy.correlated import CorrelatedMechanism
+from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory, planned_ledger
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
@@ -87,6 +89,16 @@ def noise_stream_factory(spec: str | None) -> NoiseStreamFactory:
     return factory
 
 
+def noise_stream_of(cfg: RunConfig) -> NoiseStreamFactory:
+    """The run's noise-stream factory: ``privacy.mechanism`` (a :class:`CorrelatedMechanism` over ``horizon`` or
+    ``rounds`` releases; BandMF under cyclic Poisson amplified) or ``privacy.noise_stream``."""
+    p, m = cfg.privacy, cfg.privacy.mechanism
+    if m.kind == "independent":
+        return noise_stream_factory(p.noise_stream)
+    return CorrelatedMechanism(kind=m.kind, horizon=m.horizon or cfg.rounds, groups=p.groups, bands=m.bands,
+                               buffers=m.buffers, amplified=m.kind == "bandmf" and p.sampling == "cyclic_poisson")
+
+
 def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls: type[DPFedAvg] = DPFedAvg,
                    node_content: NodeContent | None = None) -> DPFedAvg:
     """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``."""
@@ -102,7 +114,7 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                budget_accountant=p.budget_accountant, accountants=tuple(p.accountants),
                seed=None if p.secure_noise else cfg.seed, noise_cohort=p.noise_cohort,
                noise_population=p.noise_population, device=cfg.device,
-               noise_stream=noise_stream_factory(p.noise_stream), node_content=node_content)
+               noise_stream=noise_stream_of(cfg), groups=p.groups, node_content=node_content)
 
 
 def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
@@ -117,10 +129,19 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
     if p.noise_multiplier != "auto":
         return cfg
     claim_population = p.noise_population or population
-    z = calibrate_noise_multiplier(p.target_epsilon, p.delta if p.delta is not None else 1.0 / claim_population,
-                                   sampling=p.sampling, population=claim_population,
-                                   expected_cohort=float(p.accounting_cohort), rounds=cfg.rounds,
-                                   accountant=p.budget_accountant)
+    delta = p.delta if p.delta is not None else 1.0 / claim_population
+    if p.sampling in ("poisson", "fixed") and p.mechanism.kind == "independent":
+        z = calibrate_noise_multiplier(p.target_epsilon, delta, sampling=p.sampling, population=claim_population,
+                                       expected_cohort=float(p.accounting_cohort), rounds=cfg.rounds,
+                                       accountant=p.budget_accountant)
+    else:  # cyclic schedules, correlated mechanisms: the events the run's own mechanism will account
+        def eps(z: float) -> float:
+            planned = planned_ledger(z, cfg.rounds, expected_cohort=p.expected_cohort, population=population,
+                                     sampling=p.sampling, groups=p.groups, noise_stream=noise_stream_of(cfg))
+            value = epsilon(planned, delta, p.budget_accountant)
+            assert value is not None, "the config validator refuses an accountant that cannot account the run"
+            return value
+        z = solve_noise_multiplier(eps, p.target_epsilon, accountant=p.budget_accountant, delta=delta)
     log.info("privacy.noise_multiplier calibrated to %.6g for epsilon %g after %d rounds (%s)",
              z, p.target_epsilon, cfg.rounds, p.budget_accountant)
     tree = cfg.model_dump(mode="json", exclude_unset=True)

@@ -82,14 +82,15 @@ from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.outputs import ResumeError
-from fedprivacy.privacy.accounting import AccountantKind, Sampling, resolve_delta
+from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
-from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.noise import GaussianNoise, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
+from fedprivacy.privacy.sampling import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,8 @@ class DPFedAvg(Strategy):
         clip_norm: C (the initial C with ``adaptive_clipping``).
         expected_cohort: m, the expected (Poisson) or exact (fixed) cohort and the fixed divisor.
         population: N, the number of nodes sampling ranges over (all of them must register).
-        sampling: ``"poisson"`` (add/remove-one) or ``"fixed"`` (replace-one).
+        sampling: ``"poisson"`` (add/remove-one), ``"fixed"`` (replace-one), or the cyclic ``"cyclic_poisson"`` and
+            ``"min_separated"`` over ``groups`` groups (add/remove-one; :mod:`fedprivacy.privacy.sampling`).
         placement: ``central`` (this strategy clips and draws the noise), or ``distributed`` / ``local``
             (the clients clip and add their noise with :func:`fedprivacy.fl.mods.client_noise_mod`; the
             strategy sums the uploads as they are and tops up missing distributed shares).
@@ -166,7 +168,10 @@ class DPFedAvg(Strategy):
             ``noise_population``; it does NOT hold for this run (:class:`GaussianMechanism`).
         device: where the model, the sum and the noise live.
         noise_stream: the server's noise across rounds (:class:`~fedprivacy.privacy.noise.NoiseStream`; default
-            independent Gaussian noise each round); with ``state_dir``, a resume must use the same one.
+            independent Gaussian noise each round), e.g. a correlated mechanism
+            (:class:`~fedprivacy.privacy.correlated.CorrelatedMechanism`); with ``state_dir``, a resume must use the
+            same one.
+        groups: ``b``, the cyclic schedules' number of groups (their min separation).
         node_content: what the train messages carry besides the model (:class:`NodeContent`), or None.
         node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
         state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
@@ -181,7 +186,7 @@ class DPFedAvg(Strategy):
     off only for strategies that change the mechanism mid-round (the audit's broken variants)."""
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: Sampling = "poisson", placement: Placement = "central", optimizer: OptimizerName = "sgd",
+                 sampling: Schedule = "poisson", placement: Placement = "central", optimizer: OptimizerName = "sgd",
                  lr: float = 1.0,
                  optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
@@ -189,7 +194,7 @@ class DPFedAvg(Strategy):
                  budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
                  seed: int | None = None, noise_cohort: int | None = None, noise_population: int | None = None,
                  device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
-                 node_content: NodeContent | None = None,
+                 node_content: NodeContent | None = None, groups: int = 1,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
@@ -199,13 +204,16 @@ class DPFedAvg(Strategy):
                          "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
                          "delta": delta, "seed": seed, "noise_cohort": noise_cohort,
                          "noise_population": noise_population,
-                         "noise_stream": f"{noise_stream.__module__}:{noise_stream.__qualname__}"}
+                         "noise_stream": stream_name(noise_stream), **({"groups": groups} if groups != 1 else {})}
         """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
         self.mechanism = self.mechanism_cls(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
             population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping,
             noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device,
-            noise_stream=noise_stream)
+            noise_stream=noise_stream, groups=groups)
+        if disk_kappa is not None and not getattr(self.mechanism.noise, "independent", True):
+            raise ValueError(f"DiSK (disk_kappa={disk_kappa}) models noise independent across rounds; noise_stream="
+                             f"{stream_name(noise_stream)} correlates it (use one or the other)")
         self.delta = resolve_delta(delta, self.mechanism.claim_population)
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "

@@ -430,6 +430,15 @@ def _pld_epsilon(entries: Sequence[Entry], delta: float) -> float:
     return float(total.get_epsilon_for_delta(delta))
 
 
+def _merged(entries: Sequence[Entry]) -> list[Entry]:
+    """``entries`` with equal events merged into one count each, in order of first appearance: composition is
+    commutative, and a cyclic schedule's ledger alternates a few events (one PLD composition per distinct event)."""
+    counts: dict[AccountedEvent, int] = {}
+    for rnd, count in entries:
+        counts[rnd] = counts.get(rnd, 0) + count
+    return list(counts.items())
+
+
 def _as_ledger(ledger_or_entries: PrivacyLedger | Iterable[Entry]) -> PrivacyLedger:
     return ledger_or_entries if isinstance(ledger_or_entries, PrivacyLedger) else PrivacyLedger(ledger_or_entries)
 
@@ -440,7 +449,8 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
 
     Events other than :class:`GaussianRound` are accounted from their ``DpEvent`` (rdp: dp_accounting's
     ``RdpAccountant``, its RDP added to the Gaussian rounds'; pld: dp_accounting's ``PLDAccountant`` over all of
-    them; prv: not modelled, ``None``).
+    them; prv: not modelled, ``None``), except :class:`CoveredRelease`, which composes nothing. Equal events are
+    composed once with their total count (composition is commutative).
 
     Args:
         ledger_or_entries: a :class:`PrivacyLedger` or ``(event, count)`` pairs, in order.
@@ -464,16 +474,18 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     orders = tuple(float(a) for a in (RDPAccountant.DEFAULT_ALPHAS if rdp_orders is None else rdp_orders))
     if not orders or not all(math.isfinite(a) and a > 1 for a in orders):
         raise ValueError(f"rdp_orders must be a non-empty list of finite orders > 1, got {rdp_orders!r}")
-    entries = _as_ledger(ledger_or_entries).entries
+    entries = _merged(_as_ledger(ledger_or_entries).entries)
     if entries and entries[0][0].neighboring_relation == _REPLACE_ONE and kind != "rdp":
         return None
+    entries = [(rnd, count) for rnd, count in entries if not isinstance(rnd, CoveredRelease)]  # compose nothing
     gaussian = [rnd for rnd, _ in entries if isinstance(rnd, GaussianRound)]
     if kind == "prv" and len(gaussian) < len(entries):
         return None
     active = [(rnd, count) for rnd, count in entries if not isinstance(rnd, GaussianRound) or rnd.q > 0]
     if not active:
         return 0.0
-    if any(rnd.noise_multiplier == 0 and rnd.q > 0 for rnd in gaussian):
+    if any(rnd.noise_multiplier == 0 and rnd.q > 0 for rnd in gaussian) or any(
+            isinstance(rnd, MatrixMechanismRun) and rnd.noise_multiplier == 0 for rnd, _ in active):
         return math.inf
     if kind != "rdp" and _rdp_epsilon(active, delta, orders) > EPSILON_CEILING:
         return math.inf  # module docstring, "Accountable range": no grid for a guarantee beyond e^100

@@ -10,7 +10,7 @@ prefix-sum error per unit noise times the squared sensitivity,
 
 .. math:: \min_{c_1..c_{p-1}}\ \tfrac1n \lVert A C^{-1} \rVert_F^2 \cdot k \lVert c\rVert^2
 
-(``p <= b``: columns ``b`` apart are orthogonal, :math:`s^2 = k\lVert c\rVert^2`), by L-BFGS in float64 from the
+(``p <= b``: columns ``b`` apart are orthogonal, :math:`s^2 = k\lVert c\rVert^2` when they fit in ``n``), by L-BFGS in float64 from the
 truncated optimal Toeplitz factor :math:`(1-x)^{-1/2}` (Fichtenberger et al. 2023, arXiv:2202.11205).
 
 Noise: :math:`y = C^{-1} w` by streaming forward substitution,

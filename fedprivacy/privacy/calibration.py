@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, Sampling, epsilon
@@ -111,14 +111,26 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, *, sampling:
             :data:`MIN_NOISE_MULTIPLIER`; or no z falls in the band (``tolerance`` too tight for a
             grid-based accountant).
     """
-    _require(_is_positive_real(target_epsilon), "target_epsilon", "a finite number > 0", target_epsilon)
-    _require(_is_positive_real(tolerance) and tolerance < 1, "tolerance", "in (0, 1)", tolerance)
     _require(_is_int_at_least(rounds, 1), "rounds", "an integer >= 1", rounds)
     if GaussianRound(1.0, sampling, population, expected_cohort).q == 0:
         raise ValueError("expected_cohort must be > 0: with no one sampled, epsilon is 0 for every noise multiplier")
 
     def eps(z: float) -> float:
         return _epsilon_of(z, rounds, delta, sampling, population, expected_cohort, accountant, rdp_orders)
+
+    return solve_noise_multiplier(eps, target_epsilon, accountant=accountant, delta=delta, tolerance=tolerance)
+
+
+def solve_noise_multiplier(eps: Callable[[float], float], target_epsilon: float, *, accountant: str, delta: float,
+                           tolerance: float = 0.01) -> float:
+    """The search of :func:`calibrate_noise_multiplier` on any ε(z) non-increasing in z (e.g. a correlated
+    mechanism's planned ledger): z with ``(1 - tolerance) target <= eps(z) <= target``.
+
+    Raises:
+        ValueError: as :func:`calibrate_noise_multiplier` (unreachable, met at the smallest z, no z in the band).
+    """
+    _require(_is_positive_real(target_epsilon), "target_epsilon", "a finite number > 0", target_epsilon)
+    _require(_is_positive_real(tolerance) and tolerance < 1, "tolerance", "in (0, 1)", tolerance)
 
     lo = hi = 1.0
     eps_hi = eps(hi)

@@ -26,8 +26,9 @@ has coefficients :math:`\sum_{i \le k} r_i`. Sensitivity under ``b``-min-separat
 ``k`` participations (McMahan et al. 2024, arXiv:2408.08868, Thm. 2; Choquette-Choo et al. 2023,
 arXiv:2306.08153, §4): when the coefficients are non-negative and non-increasing,
 :math:`s(C) = \lVert \sum_{j<k} C_{:, jb} \rVert` exactly; when ``C`` has at most ``b`` bands its columns
-``b`` apart are orthogonal and :math:`s(C) = \sqrt{k}\,\lVert c\rVert` exactly (if ``(k-1) b`` plus the bands
-fit in ``n``; an upper bound otherwise). :func:`toeplitz_sensitivity` refuses any other ``c``.
+``b`` apart are orthogonal, their norms do not grow with the column, and the same formula is exact
+(:math:`= \sqrt{k}\,\lVert c\rVert` when ``(k-1) b`` plus the bands fit in ``n``). :func:`toeplitz_sensitivity`
+refuses any other ``c``.
 """
 
 from __future__ import annotations
@@ -92,17 +93,15 @@ def strided_column_sum(c: torch.Tensor, n: int, separation: int, k: int) -> torc
 
 
 def toeplitz_sensitivity(c: torch.Tensor, n: int, separation: int, k: int) -> torch.Tensor:
-    """``s(C)`` of the Toeplitz strategy with coefficients ``c`` (module docstring; differentiable).
+    """``s(C) = ||sum_{j<k} C[:, jb]||`` of the Toeplitz strategy with coefficients ``c`` (module docstring; exact
+    when ``c`` has at most ``separation`` bands, or is non-negative and non-increasing; differentiable).
 
     Raises:
-        ValueError: ``c`` has more than ``separation`` bands and is not non-negative and non-increasing
-            (no exact formula: the sensitivity would be a search over participation patterns).
+        ValueError: ``c`` is neither (no exact formula: the sensitivity would be a search over patterns).
     """
     bands = int(torch.nonzero(c).max()) + 1 if bool((c != 0).any()) else 0
-    if bands <= separation:
-        return math.sqrt(k) * torch.linalg.vector_norm(c[:n])
     head = c[:n].detach()
-    if bool((head < 0).any()) or bool((head[1:] > head[:-1] + 1e-12).any()):
+    if bands > separation and (bool((head < 0).any()) or bool((head[1:] > head[:-1] + 1e-12).any())):
         raise ValueError(f"a Toeplitz strategy with {bands} bands > min separation {separation} needs non-negative, "
                          "non-increasing coefficients for its sensitivity (McMahan et al. 2024, Thm. 2)")
     return torch.linalg.vector_norm(strided_column_sum(c, n, separation, k))
@@ -237,7 +236,7 @@ class ToeplitzNoise(CorrelatedNoise):
         super().__init__(seed, device=device, secure=secure, horizon=horizon, separation=separation,
                          amplified=amplified)
         c = torch.tensor(np.array(coefficients), dtype=torch.float64)
-        self.coefficients = as_float64(c)
+        self.coefficients = as_float64(c.numpy())
         k = 1 if amplified else self.participations
         self.sensitivity = float(toeplitz_sensitivity(c, horizon, separation, k))
         r = inverse_coefficients(c, horizon).numpy()

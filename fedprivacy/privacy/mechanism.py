@@ -45,16 +45,16 @@ from typing import Any, NamedTuple, get_args
 import numpy as np
 import torch
 
-from fedprivacy.privacy.accounting import (AccountantKind, GaussianRound, PrivacyLedger, Sampling, epsilons,
+from fedprivacy.privacy.accounting import (AccountantKind, GaussianRound, PrivacyLedger, epsilons,
                                            would_exceed)
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.events import AccountedEvent
-from fedprivacy.privacy.noise import GaussianNoise, NoiseStream
+from fedprivacy.privacy.noise import GaussianNoise, NoiseStream, stream_name
 from fedprivacy.privacy.placement import Placement, released_noise_variance
 from fedprivacy.privacy.release_log import ReleaseLog, rekeyed_seed
-from fedprivacy.privacy.sampling import make_sampler
+from fedprivacy.privacy.sampling import Schedule, make_sampler
 
 NoiseStreamFactory = Callable[..., NoiseStream]
 """Builds a :class:`~fedprivacy.privacy.noise.NoiseStream` as ``factory(seed, device=..., secure=...)``."""
@@ -113,25 +113,32 @@ class GaussianMechanism:
             from it (a simulation).
         device: where the sum and the noise live.
         noise_stream: the server's noise across releases (module docstring, "Seams"); a stream other than
-            :class:`GaussianNoise` needs ``central`` placement and a fixed clip (the clients' shares and the
-            adaptive clip's count are independent Gaussians).
+            :class:`GaussianNoise` needs ``central`` placement, a fixed clip and no emulation (the clients'
+            shares and the adaptive clip's count are independent Gaussians). A stream with ``check_schedule``
+            refuses a schedule its accounting does not hold for.
+        groups: ``b`` of the cyclic schedules (``cyclic_poisson``, ``min_separated``; :mod:`.sampling`).
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: Sampling = "poisson", placement: Placement = "central",
+                 sampling: Schedule = "poisson", placement: Placement = "central",
                  adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
                  noise_population: int | None = None, seed: int | None = None,
-                 device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise) -> None:
+                 device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
+                 groups: int = 1) -> None:
         _check_arguments(noise_multiplier, clip_norm, expected_cohort, placement)
-        if noise_stream is not GaussianNoise and (placement != "central" or adaptive is not None):
-            raise ValueError(f"noise_stream={getattr(noise_stream, '__name__', noise_stream)} needs placement='central' "
-                             f"and a fixed clip_norm (got placement={placement!r}, adaptive clipping "
-                             f"{'on' if adaptive else 'off'}): client shares and the clip count draw independent noise")
+        if noise_stream is not GaussianNoise and (placement != "central" or adaptive is not None
+                                                  or noise_cohort is not None):
+            raise ValueError(f"noise_stream={stream_name(noise_stream)} needs placement='central', a fixed clip_norm and "
+                             f"no noise_cohort (got placement={placement!r}, adaptive clipping "
+                             f"{'on' if adaptive else 'off'}, noise_cohort={noise_cohort}): client shares and the clip "
+                             "count draw independent noise")
+        if noise_cohort is not None and sampling not in ("poisson", "fixed"):
+            raise ValueError(f"noise_cohort (large-cohort emulation) needs sampling 'poisson' or 'fixed', got {sampling!r}")
         self.noise_stream = noise_stream
         self.noise_multiplier = noise_multiplier
         self.expected_cohort = expected_cohort
         self.population = population
-        self.sampling = sampling
+        self.sampling, self.groups = sampling, groups
         self.placement = placement
         self.noise_cohort = noise_cohort
         self.claim_population = noise_population or population
@@ -147,6 +154,9 @@ class GaussianMechanism:
         self.release_log: ReleaseLog | None = None
         self.epoch = 0
         self._seed_generators()
+        check = getattr(self.noise, "check_schedule", None)
+        if check is not None:
+            check(self.sampler.kind, self.sampler.separation)
         self.event()  # the accountants can compute it (e.g. a sampling rate not below MIN_SAMPLING_RATE)
 
     # -- what one round draws ----------------------------------------------------------------
@@ -157,12 +167,14 @@ class GaussianMechanism:
 
     def _seed_generators(self) -> None:
         seed = 0 if self.seed is None else rekeyed_seed(self.seed, self.epoch)  # ignored when secure
-        self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure)
+        self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure,
+                                    groups=self.groups)
         self.noise: NoiseStream = self.noise_stream(seed, device=self.device, secure=self.secure)
+        self.stream_start = self.next_release  # a new stream numbers its releases from here
 
     def sample(self) -> np.ndarray:
         """This round's cohort: sorted indices into ``0..population-1`` (Poisson: possibly empty)."""
-        return self.sampler.sample()
+        return self.sampler.sample(self.next_release)
 
     @property
     def next_release(self) -> int:
@@ -174,16 +186,20 @@ class GaussianMechanism:
         return self.event_at(self.next_release)
 
     def event_at(self, release: int) -> AccountedEvent:
-        """What release ``release`` is accounted as: the noise stream's event for the sampler's (or the emulated
-        deployment's) subsampled Gaussian with noise multiplier ``z``."""
-        sampled = (self.sampler.round_event(self.noise_multiplier) if self.noise_cohort is None else
-                   GaussianRound(noise_multiplier=self.noise_multiplier, sampling=self.sampling,
+        """What release ``release`` is accounted as: the noise stream's event (at the stream's number for it,
+        :meth:`stream_release`) for the sampler's (or the emulated deployment's) event with noise multiplier ``z``."""
+        sampled = (self.sampler.round_event(self.noise_multiplier, release) if self.noise_cohort is None else
+                   GaussianRound(noise_multiplier=self.noise_multiplier, sampling=self.sampling,  # type: ignore[arg-type]
                                  population=self.claim_population, expected_cohort=float(self.noise_cohort)))
-        return self.noise.event(sampled, release)
+        return self.noise.event(sampled, self.stream_release(release))
+
+    def stream_release(self, release: int) -> int:
+        """The noise stream's number for release ``release`` (its releases count from 1 since it was built)."""
+        return release - self.stream_start + 1
 
     def _value_noise_multiplier(self) -> float:
         """The next release's value noise multiplier on the simulated sum: ``z_v f_k``."""
-        return self.value_noise_multiplier * self.noise.std_factor(self.next_release)
+        return self.value_noise_multiplier * self.noise.std_factor(self.stream_release(self.next_release))
 
     def aggregator(self, dim: int) -> PrivateSum:
         """The round's streaming clip-and-sum at C_t (seam: how updates are clipped and summed)."""
@@ -226,6 +242,13 @@ class GaussianMechanism:
         """Epsilon of every release so far under each accountant."""
         return epsilons(self.ledger, delta, kinds)
 
+    def planned_ledger(self, releases: int) -> PrivacyLedger:
+        """The ledger after ``releases`` more releases, each accounted as :meth:`event_at` says (calibration)."""
+        ledger = PrivacyLedger(self.ledger.entries)
+        for release in range(self.next_release, self.next_release + releases):
+            ledger.compose(self.event_at(release))
+        return ledger
+
     def would_exceed(self, delta: float, kind: AccountantKind, target: float) -> bool:
         """Whether the NEXT release would take epsilon above ``target`` (invariant 8: ask before)."""
         return would_exceed(self.ledger, self.event(), delta, kind, target)
@@ -253,19 +276,34 @@ class GaussianMechanism:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The ledger, the epoch, the adaptive clip and, for a seeded simulation only, the generators' states
-        (from the OS, they are not persisted: nothing written to disk rebuilds a secure draw or cohort)."""
+        """The ledger, the epoch, the adaptive clip and, for a seeded simulation only, the generators' and the
+        noise stream's states (from the OS, they are not persisted: nothing written to disk rebuilds a secure draw
+        or cohort, and nothing holds noise; a correlated stream then restarts at the resume, accounted anew)."""
         secret = self.secure
         return {"sampler": None if secret else self.sampler.state_dict(),
                 "noise": None if secret else self.noise.state_dict(),
+                "stream_start": None if secret else self.stream_start,
                 "ledger": self.ledger.state_dict(), "noise_epoch": self.epoch,
                 "adaptive_clip": self.adaptive.state_dict() if self.adaptive else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state.get("noise_epoch", 0))
+        self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
         if not self.secure:
             self.sampler.load_state_dict(state["sampler"])
             self.noise.load_state_dict(state["noise"])
-        self.epoch = int(state.get("noise_epoch", 0))
-        self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
+            self.stream_start = int(state.get("stream_start") or 1)
+        else:  # a fresh stream from the OS: its numbering (and a correlated strategy) starts at the next release
+            self.stream_start = self.next_release
         if self.adaptive:
             self.adaptive.load_state_dict(state["adaptive_clip"])
+
+
+def planned_ledger(noise_multiplier: float, releases: int, *, expected_cohort: int, population: int,
+                   sampling: Schedule = "poisson", groups: int = 1,
+                   noise_stream: NoiseStreamFactory = GaussianNoise) -> PrivacyLedger:
+    """The ledger of ``releases`` releases of a fresh central mechanism with these settings (what calibration and
+    ``fedprivacy epsilon`` account for cyclic schedules and correlated mechanisms)."""
+    return GaussianMechanism(noise_multiplier=noise_multiplier, clip_norm=1.0, expected_cohort=expected_cohort,
+                             population=population, sampling=sampling, seed=0, noise_stream=noise_stream,
+                             groups=groups).planned_ledger(releases)

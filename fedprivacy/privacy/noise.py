@@ -74,6 +74,15 @@ class NoiseStream(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+def stream_name(factory: Any) -> str:
+    """How settings and messages name a noise-stream factory: its ``describe()`` (a parameterized spec such as
+    :class:`~fedprivacy.privacy.correlated.CorrelatedMechanism`), else ``module:qualname``."""
+    describe = getattr(factory, "describe", None)
+    if callable(describe):
+        return f"{type(factory).__module__}:{describe()}"
+    return f"{factory.__module__}:{getattr(factory, '__qualname__', repr(factory))}"
+
+
 class _Pending(NamedTuple):
     """A prefetched draw: its future, what it is shaped like, and the generator's state before it."""
 

@@ -9,37 +9,55 @@ Both draw from their own ``numpy`` generator whose state is checkpointed: seeded
 (reproducible, predictable by whoever knows it) or, ``secure=True``, from the OS's cryptographic
 source, so that the cohort is as secret as the amplification by sampling assumes.
 
-Both are participation schedules (:class:`ParticipationSchedule`), named in :data:`SCHEDULES`: a schedule whose cohort depends on
-the round (cyclic participation: ``b`` groups in turn, Poisson within a group; min-separated participation)
-keeps its position in its state and pairs itself with the event its participation is accounted as.
+Schedules whose cohort depends on the release (``b = groups``; user ``i`` is in group ``i mod b``, release ``k``
+samples group ``(k - 1) mod b``, so one user's participations are at least ``b`` releases apart and at most
+``ceil(T / b)`` in ``T`` releases; the group follows the release number, which a resume keeps):
+
+- :class:`CyclicPoissonSampler`: within the group, each user w.p. ``q = m b / N`` (Choquette-Choo et al. 2023,
+  arXiv:2306.08153, §4, "cyclic Poisson"). Accounted per cycle: its first release composes
+  ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` (a user is in at most one release of a cycle), the others
+  compose nothing (:class:`~fedprivacy.privacy.accounting.CoveredRelease`).
+- :class:`MinSeparatedSampler`: within the group, ``m`` users uniformly without replacement. Accounted per
+  cycle without amplification: ``GaussianDpEvent(z)`` at its first release.
+
+All are participation schedules (:class:`ParticipationSchedule`), named in :data:`SCHEDULES`. A correlated-noise
+stream needs a cyclic one (its sensitivity counts participations ``b`` apart).
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from fedprivacy.privacy.accounting import GaussianRound, Sampling
+from fedprivacy.privacy.accounting import CoveredRelease, GaussianRound
 from fedprivacy.privacy.events import AccountedEvent
 
 SAMPLING_STREAM = 0x73616D706C65  # "sample"
 
+Schedule = Literal["poisson", "fixed", "cyclic_poisson", "min_separated"]
+"""The participation schedules' names (:data:`SCHEDULES`)."""
+
 
 class ParticipationSchedule(Protocol):
     """Who participates in each round, and what that is accounted as (module docstring). Built as
-    ``cls(population, expected_cohort, seed, secure)``; :meth:`sample` is called once per round, in order."""
+    ``cls(population, expected_cohort, seed, secure, groups)``; :meth:`sample` is called once per round, in
+    order, with the number of the release the round makes."""
 
     @property
     def kind(self) -> str:
         """Its name in :data:`SCHEDULES`."""
 
-    def sample(self) -> np.ndarray:
-        """Sorted indices into ``0..population-1`` of this round's cohort."""
+    @property
+    def separation(self) -> int | None:
+        """The fewest releases between two participations of one user (None: unbounded)."""
 
-    def round_event(self, noise_multiplier: float) -> AccountedEvent:
-        """The event of one round released with independent Gaussian noise of multiplier ``noise_multiplier``."""
+    def sample(self, release: int) -> np.ndarray:
+        """Sorted indices into ``0..population-1`` of the cohort of the round making release ``release``."""
+
+    def round_event(self, noise_multiplier: float, release: int) -> AccountedEvent:
+        """The event of release ``release`` made with independent Gaussian noise of multiplier ``noise_multiplier``."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -47,9 +65,11 @@ class ParticipationSchedule(Protocol):
 
 
 class _Sampler:
-    kind: Sampling
+    kind: Schedule
+    separation: int | None = None
 
-    def __init__(self, population: int, expected_cohort: int, seed: int, secure: bool = False) -> None:
+    def __init__(self, population: int, expected_cohort: int, seed: int, secure: bool = False,
+                 groups: int = 1) -> None:
         if population < 1:
             raise ValueError(f"population must be >= 1, got {population}")
         if not 1 <= expected_cohort <= population:
@@ -61,11 +81,14 @@ class _Sampler:
         entropy = secrets.randbits(128) if secure else [seed, SAMPLING_STREAM]
         self._rng = np.random.default_rng(np.random.SeedSequence(entropy))
 
-    def round_event(self, noise_multiplier: float) -> GaussianRound:
-        """The accounting event of one round released with this sampler."""
+    def sample(self, release: int = 1) -> np.ndarray:
+        raise NotImplementedError
+
+    def round_event(self, noise_multiplier: float, release: int = 1) -> AccountedEvent:
+        """The accounting event of one round released with this sampler (the same every release)."""
         return GaussianRound(
             noise_multiplier=noise_multiplier,
-            sampling=self.kind,
+            sampling=self.kind,  # type: ignore[arg-type]
             population=self.population,
             expected_cohort=float(self.expected_cohort),
         )
@@ -82,7 +105,7 @@ class PoissonSampler(_Sampler):
 
     kind = "poisson"
 
-    def sample(self) -> np.ndarray:
+    def sample(self, release: int = 1) -> np.ndarray:
         """Sorted indices of this round's cohort (possibly empty)."""
         q = self.expected_cohort / self.population
         return np.flatnonzero(self._rng.random(self.population) < q)
@@ -93,18 +116,83 @@ class FixedSizeSampler(_Sampler):
 
     kind = "fixed"
 
-    def sample(self) -> np.ndarray:
+    def sample(self, release: int = 1) -> np.ndarray:
         return np.sort(self._rng.choice(self.population, size=self.expected_cohort, replace=False))
 
 
-SCHEDULES: dict[str, type[PoissonSampler] | type[FixedSizeSampler]] = {"poisson": PoissonSampler,
-                                                                       "fixed": FixedSizeSampler}
+class _Cyclic(_Sampler):
+    """``groups`` groups in turn (module docstring); subclasses sample within the group."""
+
+    def __init__(self, population: int, expected_cohort: int, seed: int, secure: bool = False,
+                 groups: int = 1) -> None:
+        super().__init__(population, expected_cohort, seed, secure)
+        if isinstance(groups, bool) or int(groups) != groups or not 1 <= groups <= population:
+            raise ValueError(f"privacy.groups={groups!r} must be an integer in [1, population={population}]")
+        if expected_cohort * groups > population:
+            raise ValueError(f"privacy.expected_cohort={expected_cohort} times privacy.groups={groups} must be <= the "
+                             f"population ({population}): each group of about N / groups users yields one cohort")
+        self.groups = int(groups)
+        self.separation = self.groups
+
+    def group(self, release: int) -> np.ndarray:
+        """The users of release ``release``'s group: ``i`` with ``i mod b = (release - 1) mod b``."""
+        if release < 1:
+            raise ValueError(f"release numbers start at 1, got {release}")
+        return np.arange((release - 1) % self.groups, self.population, self.groups)
+
+    def _cycle_start(self, release: int) -> bool:
+        return (release - 1) % self.groups == 0
+
+
+class CyclicPoissonSampler(_Cyclic):
+    """Cyclic Poisson participation: Poisson with ``q = m b / N`` within the release's group."""
+
+    kind = "cyclic_poisson"
+
+    def sample(self, release: int = 1) -> np.ndarray:
+        members = self.group(release)
+        q = self.expected_cohort * self.groups / self.population
+        return members[self._rng.random(len(members)) < q]
+
+    def round_event(self, noise_multiplier: float, release: int = 1) -> AccountedEvent:
+        """The cycle's ``PoissonSampled(q = m b / N, Gaussian(z))`` at its first release; covered after it."""
+        if not self._cycle_start(release):
+            return CoveredRelease(noise_multiplier=noise_multiplier, by="cycle")
+        return GaussianRound(noise_multiplier=noise_multiplier, sampling="poisson", population=self.population,
+                             expected_cohort=float(self.expected_cohort * self.groups))
+
+
+class MinSeparatedSampler(_Cyclic):
+    """Min-separated participation: ``m`` users uniformly without replacement from the release's group."""
+
+    kind = "min_separated"
+
+    def sample(self, release: int = 1) -> np.ndarray:
+        members = self.group(release)
+        return np.sort(self._rng.choice(members, size=min(self.expected_cohort, len(members)), replace=False))
+
+    def round_event(self, noise_multiplier: float, release: int = 1) -> AccountedEvent:
+        """The cycle's ``Gaussian(z)`` (no amplification) at its first release; covered after it."""
+        if not self._cycle_start(release):
+            return CoveredRelease(noise_multiplier=noise_multiplier, by="cycle")
+        return GaussianRound(noise_multiplier=noise_multiplier, sampling="none", population=self.population,
+                             expected_cohort=float(self.population))
+
+
+SCHEDULES: dict[str, type[_Sampler]] = {"poisson": PoissonSampler, "fixed": FixedSizeSampler,
+                                        "cyclic_poisson": CyclicPoissonSampler,
+                                        "min_separated": MinSeparatedSampler}
 """The participation schedules ``privacy.sampling`` names."""
 
 
 def make_sampler(kind: str, population: int, expected_cohort: int, seed: int,
-                 secure: bool = False) -> ParticipationSchedule:
-    """Build the schedule named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``)."""
+                 secure: bool = False, groups: int = 1) -> ParticipationSchedule:
+    """Build the schedule named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``; ``groups``:
+    the cyclic schedules' ``b``)."""
     if kind not in SCHEDULES:
         raise ValueError(f"sampling must be one of {sorted(SCHEDULES)}, got {kind!r}")
-    return SCHEDULES[kind](population, expected_cohort, seed, secure)
+    if kind in ("poisson", "fixed") and groups != 1:
+        raise ValueError(f"privacy.groups={groups} needs a cyclic privacy.sampling (cyclic_poisson, min_separated), "
+                         f"got {kind!r}")
+    schedule: ParticipationSchedule = SCHEDULES[kind](population, expected_cohort, seed, secure, groups)
+    return schedule
