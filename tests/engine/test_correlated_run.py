@@ -1,0 +1,125 @@
+"""Correlated noise everywhere a user runs DP (issue "Correlated noise", item 3): ``fedprivacy run`` with
+``privacy.mechanism``, a hand-written ServerApp with ``DPFedAvg(noise_stream=CorrelatedMechanism(...))``, resume
+(seeded: the same correlated stream, bit for bit; from the OS: a new strategy, accounted anew), calibration,
+and the combinations refused naming the settings."""
+
+import csv
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting import rdp
+
+from fedprivacy.config import ConfigError
+from fedprivacy.fl.strategy import DPFedAvg
+from fedprivacy.outputs import load_checkpoint
+from fedprivacy.privacy.accounting import MatrixMechanismRun, epsilon
+from fedprivacy.privacy.correlated import CorrelatedMechanism
+from fedprivacy.privacy.release_log import ReleaseLog
+from fedprivacy.run import run
+from fedprivacy.stackoverflow_tasks import load_task
+
+from test_one_round import _hand_written  # this folder is on sys.path (pytest's rootdir mode)
+from test_strategy import _flat, _plain_client_app, _start
+
+BLT = ("privacy.sampling=min_separated", "privacy.groups=2", "privacy.mechanism.kind=blt",
+       "privacy.mechanism.buffers=2", "privacy.expected_cohort=6")
+
+
+def test_fedprivacy_run_with_blt_accounts_one_gaussian_and_releases_its_per_round_std(small_config):
+    cfg = small_config("rounds=4", *BLT)
+    summary = run(cfg)
+    spec = CorrelatedMechanism(kind="blt", horizon=4, groups=2, buffers=2)
+    stream = spec(0)
+    accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert summary["epsilon_rdp"] == pytest.approx(
+        accountant.compose(dp_accounting.GaussianDpEvent(cfg.privacy.noise_multiplier)).get_epsilon(summary["delta"]),
+        rel=1e-6)
+    with open(cfg.output_dir / "metrics.csv") as f:
+        stds = [float(row["server_noise_std"]) for row in csv.DictReader(f)]
+    zc = cfg.privacy.noise_multiplier * cfg.privacy.clip_norm
+    assert stds == pytest.approx([zc * stream.std_factor(t) for t in range(1, 5)])
+    logged = [e["event"] for e in ReleaseLog(cfg.output_dir).entries]
+    assert logged[0] == MatrixMechanismRun(cfg.privacy.noise_multiplier, "blt", 4, 2, 2)
+    assert [type(e).__name__ for e in logged[1:]] == ["CoveredRelease"] * 3
+
+
+def test_a_hand_written_server_app_with_blt_is_bit_identical_to_fedprivacy_run(small_config, tmp_path):
+    cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", *BLT)
+    run(cfg)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    p = cfg.privacy
+    strategy = _hand_written(cfg, DPFedAvg(
+        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
+        population=load_task(cfg.data).population, seed=cfg.seed, optimizer_settings={"momentum": 0.9},
+        sampling="min_separated", groups=2, noise_stream=CorrelatedMechanism(kind="blt", horizon=3, groups=2,
+                                                                             buffers=2)))
+    assert torch.equal(strategy.params, saved["params"])
+    assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
+
+
+@pytest.mark.parametrize("spec", [CorrelatedMechanism(kind="tree", horizon=4, groups=2),
+                                  CorrelatedMechanism(kind="bandmf", horizon=6, groups=2, bands=2, amplified=True),
+                                  CorrelatedMechanism(kind="blt", horizon=6, groups=2, buffers=2)])
+def test_a_seeded_restart_continues_the_same_correlated_stream_bit_for_bit(tmp_path, spec):
+    sampling = "cyclic_poisson" if spec.amplified else "min_separated"
+    settings = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, delta=1e-3, seed=0,
+                    sampling=sampling, groups=2, noise_stream=spec)
+    full = _start(DPFedAvg(**settings), _plain_client_app(), 8, rounds=5, lr=0.5)
+    _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=3, lr=0.5)
+    restarted = DPFedAvg(**settings, state_dir=tmp_path)
+    result = _start(restarted, _plain_client_app(), 8, rounds=5, lr=0.5)
+    assert torch.equal(_flat(result.arrays), _flat(full.arrays))
+    with pytest.raises(Exception, match="noise_stream"):
+        DPFedAvg(**{**settings, "noise_stream": CorrelatedMechanism(kind="tree", horizon=8, groups=2)},
+                 state_dir=tmp_path)
+
+
+def test_a_restart_from_the_os_begins_a_new_strategy_and_accounts_it(tmp_path):
+    spec = CorrelatedMechanism(kind="blt", horizon=6, groups=2, buffers=2)
+    settings = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, delta=1e-3, seed=None,
+                    sampling="min_separated", groups=2, noise_stream=spec)
+    _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=3, lr=0.5)
+    saved = load_checkpoint(tmp_path / "strategy.pt")
+    assert saved["noise"] is None and saved["stream_start"] is None  # no noise (no buffer) on disk
+    restarted = DPFedAvg(**settings, state_dir=tmp_path)
+    _start(restarted, _plain_client_app(), 8, rounds=5, lr=0.5)
+    runs = [(e, n) for e, n in restarted.mechanism.ledger.entries if isinstance(e, MatrixMechanismRun)]
+    assert sum(n for _, n in runs) == 2  # release 1 and release 4: the resumed strategy is a new Gaussian release
+    assert restarted.mechanism.stream_start == 4
+
+
+def test_auto_calibrates_the_correlated_run_to_the_target(small_config):
+    cfg = small_config("rounds=4", *BLT, "privacy.noise_multiplier=auto", "privacy.target_epsilon=3",
+                       "privacy.accountants=[rdp]")
+    summary = run(cfg)
+    assert 0.99 * 3 <= summary["epsilon_rdp"] <= 3
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("privacy.mechanism.kind=tree",), "privacy.mechanism.kind='tree' needs privacy.sampling: min_separated"),
+    (("privacy.sampling=min_separated", "privacy.groups=2", "privacy.mechanism.kind=bandmf",
+      "privacy.mechanism.bands=3"), "privacy.mechanism.bands=3 must be <= privacy.groups=2"),
+    ((*BLT, "server.disk.kappa=0.5"), "server.disk models noise independent across rounds"),
+    ((*BLT, "privacy.placement=distributed"), "needs privacy.placement: central"),
+    ((*BLT, "privacy.budget_accountant=prv"), "budget_accountant='prv' cannot account"),
+    (("privacy.groups=3",), "privacy.groups=3 needs privacy.sampling: cyclic_poisson or min_separated"),
+])
+def test_unsound_configs_are_refused_naming_the_settings(small_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        small_config(*overrides)
+
+
+def test_dp_fedavg_refuses_disk_with_correlated_noise():
+    with pytest.raises(ValueError, match="DiSK .* models noise independent across rounds"):
+        DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, seed=0, disk_kappa=0.5,
+                 sampling="min_separated", groups=2, noise_stream=CorrelatedMechanism(kind="tree", horizon=4, groups=2))
+
+
+def test_epsilon_of_the_ledger_matches_the_planned_one(small_config):
+    cfg = small_config("rounds=3", *BLT)
+    run(cfg)
+    ledger = load_checkpoint(cfg.output_dir / "checkpoint.pt")["ledger"]
+    from fedprivacy.privacy.accounting import PrivacyLedger
+
+    assert epsilon(PrivacyLedger.from_state_dict(ledger), 1e-3, "pld") > 0
