@@ -1,7 +1,8 @@
 """fedprivacy: federated learning simulations under user-level differential privacy.
 
 The public API (README "Your own model"), importable from here or from its package: the DP strategy for
-any Flower ServerApp (:class:`DPFedAvg`) and its mechanism (:class:`GaussianMechanism`); client mods
+any Flower ServerApp (:class:`DPFedAvg`), its mechanism (:class:`GaussianMechanism`) and correlated noise for it
+(:class:`CorrelatedMechanism`: DP-FTRL's tree, BandMF, BLT); client mods
 (:func:`client_noise_mod`, :func:`topk_uplink_mod`); record-level DP in any ClientApp
 (:func:`make_record_dp`, read on the server by :func:`event_from_metrics`); :class:`AdaDPSOptimizer`;
 fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements.
@@ -23,15 +24,17 @@ if TYPE_CHECKING:
     from fedprivacy.fl.strategy import DPFedAvg
     from fedprivacy.optim.adadps import AdaDPSOptimizer
     from fedprivacy.privacy.client_ledgers import event_from_metrics
+    from fedprivacy.privacy.correlated import CorrelatedMechanism
     from fedprivacy.privacy.mechanism import GaussianMechanism
     from fedprivacy.task import Task
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaDPSOptimizer", "DPFedAvg", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
+__all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
            "make_record_dp", "run_inprocess", "topk_uplink_mod"]
 
 __getattr__ = lazy_exports(__name__, {
+    "CorrelatedMechanism": "fedprivacy.privacy.correlated",
     "AdaDPSOptimizer": "fedprivacy.optim.adadps",
     "DPFedAvg": "fedprivacy.fl.strategy",
     "GaussianMechanism": "fedprivacy.privacy.mechanism",

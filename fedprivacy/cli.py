@@ -13,6 +13,7 @@ import json
 import logging
 import shlex
 import sys
+from typing import Any
 from pathlib import Path
 
 from fedprivacy.config import ConfigError, RunConfig, build_config, load_config
@@ -109,6 +110,32 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 1 if stale else 0
 
 
+def _scheduled(args: argparse.Namespace) -> bool:
+    """Whether the command accounts a cyclic schedule or a correlated mechanism (the mechanism's planned events)."""
+    return args.sampling in ("cyclic_poisson", "min_separated") or args.mechanism != "independent"
+
+
+def _planned_epsilon(args: argparse.Namespace, noise_multiplier: float, steps: int, kind: str,
+                     orders: list[float] | None = None) -> float | None:
+    """Epsilon of ``steps`` releases of the mechanism the arguments describe (:func:`planned_ledger`)."""
+    from fedprivacy.privacy.accounting import epsilon
+    from fedprivacy.privacy.correlated import CorrelatedMechanism
+    from fedprivacy.privacy.mechanism import planned_ledger
+    from fedprivacy.privacy.noise import GaussianNoise
+
+    if args.population is None:
+        raise ValueError(f"--population is required for --sampling {args.sampling} and --mechanism {args.mechanism}")
+    stream: Any = GaussianNoise
+    if args.mechanism != "independent":
+        stream = CorrelatedMechanism(kind=args.mechanism, horizon=args.horizon or steps, groups=args.groups,
+                                     bands=args.bands, buffers=args.buffers,
+                                     amplified=args.mechanism == "bandmf" and args.sampling == "cyclic_poisson")
+    ledger = planned_ledger(noise_multiplier, steps, expected_cohort=round(args.q * args.population),
+                            population=args.population, sampling=args.sampling, groups=args.groups,
+                            noise_stream=stream)
+    return epsilon(ledger, args.delta, kind, rdp_orders=orders)  # type: ignore[arg-type]
+
+
 def _cmd_epsilon(args: argparse.Namespace) -> int:
     """Each accountant's epsilon >= 0; ``"inf"`` when there is none (z = 0), ``null`` when it cannot account."""
     from fedprivacy.privacy.accounting import epsilon_for, json_epsilon
@@ -118,9 +145,13 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
     result = {
         "sampling": args.sampling, "q": args.q, "noise_multiplier": args.noise_multiplier,
         "steps": args.steps, "delta": args.delta, "population": args.population,
-        "epsilon": {k: json_epsilon(epsilon_for(args.sampling, args.q, args.noise_multiplier, args.steps, args.delta,
-                                                k, population=args.population, rdp_orders=orders)) for k in kinds},
+        "epsilon": {k: json_epsilon(
+            _planned_epsilon(args, args.noise_multiplier, args.steps, k, orders) if _scheduled(args) else
+            epsilon_for(args.sampling, args.q, args.noise_multiplier, args.steps, args.delta, k,
+                        population=args.population, rdp_orders=orders)) for k in kinds},
     }
+    if _scheduled(args):
+        result.update(groups=args.groups, mechanism=args.mechanism)
     print(json.dumps(result, indent=2, allow_nan=False))
     return 0
 
@@ -131,6 +162,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if (args.steps is None) == (args.noise_multiplier is None):
         raise ValueError("calibrate needs exactly one of --steps (find the noise multiplier) or "
                          "--noise-multiplier (find the affordable steps)")
+    if _scheduled(args):
+        return _calibrate_scheduled(args)
     if args.sampling == "fixed" and args.population is None:
         raise ValueError("--population is required for --sampling fixed")
     population = args.population or 1  # poisson/none without N: expected cohort q * 1 of 1
@@ -151,6 +184,50 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                                                  args.delta, args.accountant, population=args.population))
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _calibrate_scheduled(args: argparse.Namespace) -> int:
+    """``calibrate`` for a cyclic schedule or a correlated mechanism, on its planned events."""
+    from fedprivacy.privacy.accounting import json_epsilon
+    from fedprivacy.privacy.calibration import solve_noise_multiplier
+
+    def eps(z: float, steps: int) -> float:
+        value = _planned_epsilon(args, z, steps, args.accountant)
+        if value is None:
+            raise ValueError(f"--accountant {args.accountant} cannot account --mechanism {args.mechanism}: use rdp or pld")
+        return value
+
+    result = {"sampling": args.sampling, "groups": args.groups, "mechanism": args.mechanism, "q": args.q,
+              "population": args.population, "delta": args.delta, "target_epsilon": args.target_epsilon,
+              "accountant": args.accountant}
+    if args.steps is not None:
+        z = solve_noise_multiplier(lambda z: eps(z, args.steps), args.target_epsilon, accountant=args.accountant,
+                                   delta=args.delta)
+        result.update(steps=args.steps, noise_multiplier=z)
+    else:  # the largest T with eps(T) <= target: double, then bisect (eps does not decrease with T)
+        z, lo, hi = args.noise_multiplier, 0, 1
+        while eps(z, hi) <= args.target_epsilon:
+            lo, hi = hi, 2 * hi
+            if hi > 1_000_000:
+                raise ValueError("more than 1,000,000 steps fit the budget: nothing to calibrate")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if eps(z, mid) <= args.target_epsilon else (lo, mid)
+        if lo == 0:
+            raise ValueError(f"not even one step fits target_epsilon={args.target_epsilon} at noise multiplier {z}")
+        result.update(noise_multiplier=z, steps=lo)
+    result["epsilon"] = json_epsilon(eps(result["noise_multiplier"], result["steps"]))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _add_mechanism_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--groups", type=int, default=1, help="b of the cyclic samplings (their min separation)")
+    p.add_argument("--mechanism", choices=["independent", "tree", "bandmf", "blt"], default="independent",
+                   help="noise across rounds (default: independent); correlated ones need a cyclic --sampling")
+    p.add_argument("--horizon", type=int, help="releases one correlated strategy covers (default: --steps)")
+    p.add_argument("--bands", type=int, default=4, help="BandMF's bands (<= --groups)")
+    p.add_argument("--buffers", type=int, default=3, help="BLT's buffers")
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
@@ -259,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("epsilon", help="epsilon of the (subsampled) Gaussian mechanism, as JSON")
-    p.add_argument("--sampling", choices=["poisson", "fixed", "none"], required=True)
+    p.add_argument("--sampling", choices=["poisson", "fixed", "none", "cyclic_poisson", "min_separated"],
+                   required=True)
+    _add_mechanism_arguments(p)
     p.add_argument("--q", type=float, required=True, help="sampling rate (fixed: cohort / population)")
     p.add_argument("--noise-multiplier", type=float, required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -273,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "multiplier affords (--noise-multiplier), as JSON")
     p.add_argument("--target-epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--sampling", choices=["poisson", "fixed", "none"], required=True)
+    p.add_argument("--sampling", choices=["poisson", "fixed", "none", "cyclic_poisson", "min_separated"],
+                   required=True)
+    _add_mechanism_arguments(p)
     p.add_argument("--q", type=float, required=True, help="sampling rate (fixed: cohort / population)")
     p.add_argument("--population", type=int, help="N (required for --sampling fixed)")
     p.add_argument("--accountant", choices=["rdp", "prv", "pld"], default="rdp")

@@ -33,7 +33,6 @@ refuses any other ``c``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np

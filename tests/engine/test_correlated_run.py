@@ -123,3 +123,22 @@ def test_epsilon_of_the_ledger_matches_the_planned_one(small_config):
     from fedprivacy.privacy.accounting import PrivacyLedger
 
     assert epsilon(PrivacyLedger.from_state_dict(ledger), 1e-3, "pld") > 0
+
+
+def test_the_cli_accounts_and_calibrates_correlated_mechanisms(capsys):
+    import json
+
+    from fedprivacy.cli import main
+
+    common = ["--q", "0.01", "--population", "4000", "--delta", "1e-6", "--sampling", "min_separated",
+              "--groups", "4", "--mechanism", "blt", "--buffers", "2"]
+    assert main(["epsilon", *common, "--noise-multiplier", "2", "--steps", "40", "--accountant", "rdp"]) == 0
+    got = json.loads(capsys.readouterr().out)["epsilon"]["rdp"]
+    accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert got == pytest.approx(accountant.compose(dp_accounting.GaussianDpEvent(2.0)).get_epsilon(1e-6), rel=1e-9)
+    assert main(["calibrate", *common, "--target-epsilon", "3", "--steps", "40"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0.99 * 3 <= out["epsilon"] <= 3
+    assert main(["calibrate", *common, "--target-epsilon", "3", "--noise-multiplier", "2", "--horizon", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)  # one Gaussian(2) per 8 releases: the budget allows k horizons
+    assert out["epsilon"] <= 3 and out["steps"] % 8 == 0
