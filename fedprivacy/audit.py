@@ -69,7 +69,7 @@ from fedprivacy.fl import server_app
 from fedprivacy.fl import strategy as strategy_module
 from fedprivacy.fl.records import update_to_record
 from fedprivacy.fl.population import discover_nodes
-from fedprivacy.fl.server_app import DPFedAvgServer
+from fedprivacy.fl.server_app import DPFedAvgServer, noise_stream_of
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.outputs import strict_json
@@ -116,7 +116,7 @@ class _AuditTask:
     """The run's model family at (at most) ``MAX_AUDIT_PARAMS`` parameters, no data (the clients are synthetic)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.population = max(cfg.privacy.expected_cohort, CROWD + 1)
+        self.population = max(cfg.privacy.expected_cohort * cfg.privacy.groups, CROWD + 1)
         self._dims = (_audit_vocab(cfg), cfg.data.num_tags)
         self.test_features = sp.csr_matrix((0, self._dims[0]), dtype=np.float32)
         self.test_labels = np.zeros(0, dtype=np.int64)
@@ -255,8 +255,12 @@ def audit_config(cfg: RunConfig, output_dir: Path) -> RunConfig:
     tree = cfg.model_dump(mode="json", exclude_unset=True)  # re-validating defaults would mark them as set
     tree.update(rounds=10**9, eval_every=10**9, checkpoint_every=10**9, output_dir=str(output_dir))
     tree.setdefault("data", {})["vocab_size"] = _audit_vocab(cfg)
-    tree.setdefault("privacy", {}).update(sampling="fixed", accountants=["rdp"], budget_accountant="rdp", target_epsilon=None,
-                           noise_cohort=None, noise_population=None)
+    correlated = cfg.privacy.mechanism.kind != "independent"  # it keeps its schedule and strategy (horizon)
+    if correlated:
+        tree.setdefault("privacy", {}).setdefault("mechanism", {})["horizon"] = cfg.privacy.mechanism.horizon or cfg.rounds
+    tree.setdefault("privacy", {}).update(sampling="min_separated" if correlated else "fixed", accountants=["rdp"],
+                                          budget_accountant="rdp", target_epsilon=None, noise_cohort=None,
+                                          noise_population=None)
     return RunConfig.model_validate(tree)
 
 
@@ -330,7 +334,10 @@ def run_audit(cfg: RunConfig, *, trials: int = 500, delta: float = 1e-5, alpha: 
     threshold = {"threshold": cut, "false_positives": fp, "false_negatives": fn, "evaluated_per_side": n_eval,
                  "epsilon_lower_bound": epsilon_lower_bound(fp, n_eval, fn, n_eval, delta, each)}
     lower = max(threshold["epsilon_lower_bound"], *(g["epsilon_lower_bound"] for g in gaussian.values()))
-    z, m = cfg.privacy.noise_multiplier, cfg.privacy.expected_cohort
+    m = cfg.privacy.expected_cohort
+    # Release 1 alone: sensitivity C, noise z C f_1 (f_1 = 1 for independent noise; a correlated strategy's first
+    # release carries its sensitivity factor), so the one-round claim is a Gaussian of multiplier z f_1.
+    z = cfg.privacy.noise_multiplier * noise_stream_of(cfg)(0).std_factor(1)
     one_round = PrivacyLedger().compose(GaussianRound(z, "none", m, float(m)))
     claimed = float(epsilon(one_round, delta, accountant))
     return AuditReport(variant=variant, trials=trials, delta=delta, alpha=alpha, noise_multiplier=z,

@@ -142,3 +142,16 @@ def test_the_cli_accounts_and_calibrates_correlated_mechanisms(capsys):
     assert main(["calibrate", *common, "--target-epsilon", "3", "--noise-multiplier", "2", "--horizon", "8"]) == 0
     out = json.loads(capsys.readouterr().out)  # one Gaussian(2) per 8 releases: the budget allows k horizons
     assert out["epsilon"] <= 3 and out["steps"] % 8 == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("variant", "trials"), [("correct", 200), ("noise_halved", 200), ("noise_off", 20)])
+def test_the_audit_still_catches_a_broken_server_with_blt_on(variant, trials):
+    from fedprivacy.audit import run_audit
+    from fedprivacy.config import build_config
+
+    cfg = build_config({"data": {"vocab_size": 200, "num_tags": 10}, "rounds": 8,
+                        "privacy": {"clip_norm": 1.0, "noise_multiplier": 2.0, "expected_cohort": 4}},
+                       list(BLT[:4]), source="test")
+    report = run_audit(cfg, trials=trials, variant=variant)
+    assert report.passed == (variant == "correct")
