@@ -1,4 +1,4 @@
-"""Mutation check of the Hardening II, resumable-strategy and mechanism-seam privacy claims: each fix is broken in turn and
+"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam and correlated-noise privacy claims: each fix is broken in turn and
 the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
 (about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
 
@@ -24,8 +24,13 @@ MUTATIONS = [
  ("fedprivacy/fl/strategy.py", "        lost = self.mechanism.attach_release_log(release_log)", "        lost = 0", "tests/engine/test_strategy_state.py -k kill"),
  ("fedprivacy/fl/strategy.py", "            self.load_state_dict(saved)", "            pass", "tests/engine/test_strategy_state.py -k bit_exactly"),
  ("fedprivacy/fl/strategy_state.py", "        if changed:", "        if False:", "tests/engine/test_strategy_state.py -k changed_settings"),
- ("fedprivacy/privacy/mechanism.py", "        return self.noise.event(sampled, release)", "        return sampled", "tests/engine/test_custom_noise_stream.py -k mechanism"),
- ("fedprivacy/privacy/mechanism.py", "        return self.value_noise_multiplier * self.noise.std_factor(self.next_release)", "        return self.value_noise_multiplier", "tests/engine/test_custom_noise_stream.py -k mechanism"),
+ ("fedprivacy/privacy/mechanism.py", "        return self.noise.event(sampled, self.stream_release(release))", "        return sampled", "tests/engine/test_custom_noise_stream.py -k mechanism"),
+ ("fedprivacy/privacy/mechanism.py", "        return self.value_noise_multiplier * self.noise.std_factor(self.stream_release(self.next_release))", "        return self.value_noise_multiplier", "tests/engine/test_custom_noise_stream.py -k mechanism"),
+ ("fedprivacy/privacy/matrix_factorization.py", "        if self._position(release) != 1:", "        if release != 1:", "tests/privacy/test_correlated_noise.py -k one_gaussian_event_per_horizon"),
+ ("fedprivacy/privacy/matrix_factorization.py", "    return torch.linalg.vector_norm(strided_column_sum(c, n, separation, k))", "    return torch.linalg.vector_norm(strided_column_sum(c, n, separation, 1))", "tests/privacy/test_correlated_noise.py -k toeplitz_sensitivity_is"),
+ ("fedprivacy/privacy/tree.py", "        cap = min(participations, -(-2 ** level // separation))", "        cap = 1", "tests/privacy/test_correlated_noise.py -k tree_sensitivity"),
+ ("fedprivacy/privacy/mechanism.py", "            self.stream_start = self.next_release\n", "            pass\n", "tests/engine/test_correlated_run.py -k from_the_os"),
+ ("fedprivacy/privacy/sampling.py", "np.arange((release - 1) % self.groups, self.population, self.groups)", "np.arange(0, self.population, self.groups)", "tests/privacy/test_correlated_noise.py -k b_apart"),
  ("fedprivacy/fl/client_app.py", "        metrics = {}  # nothing but the noisy upload and the events leaves the client\n", "", "tests/engine/test_one_client_path.py -k distributed"),
 ]
 for path, old, new, test in MUTATIONS:
