@@ -12,9 +12,12 @@ At ``--d`` float32 coordinates on the CPU (default 5,000,500, the tag task's mod
   over repetitions. Streams keep their state across repetitions (release numbers keep increasing).
 - **persistent memory**: the bytes of the stream's buffers between releases (``stream._buffers``; the largest
   seen after any release), in model-sized vectors (``4 d`` bytes) and MB. Exact.
-- **peak RSS growth**: in a fresh process per stream, the process's peak resident memory (``ru_maxrss``) after
+- **peak RSS growth**: in a fresh process per stream, the process's peak resident memory (``VmHWM``) after
   ``--rss-releases`` releases minus its resident memory before the first one (target and stream built):
-  persistent buffers plus the largest transient a release allocates.
+  persistent buffers plus the largest transient a release allocates. Twice: with glibc's default malloc (whose
+  dynamic mmap threshold keeps freed model-sized blocks in the heap, so churn shows as RSS) and with
+  ``MALLOC_MMAP_THRESHOLD_=1048576`` (every model-sized block is mmap-ed and unmapped when freed: the peak of
+  live tensors).
 
 Then the memory of BLT (3 buffers) and the tree at horizons 64 and 2048 (their buffers are all allocated at
 the first release of a horizon, so one release shows them): BLT's does not depend on the horizon, the tree's
@@ -30,7 +33,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -75,15 +77,23 @@ def _rss_kb() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def _hwm_kb() -> int:
+    """The process's peak resident set (``VmHWM``: per address space, so reset by ``exec``, unlike ``ru_maxrss``,
+    which a child inherits from its parent's size at ``fork``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def child_rss(name: str, d: int, releases: int) -> None:
     """Fresh process: peak RSS growth over ``releases`` releases of one stream (printed as JSON)."""
     target = torch.zeros(d, dtype=torch.float32)
     stream = build(name)
     stream.std_factor(1)
     before = _rss_kb()
+    assert _hwm_kb() - before < 4 * d // 1024, "the peak before the releases is above the baseline"
     for t in range(1, releases + 1):
         stream.add_(target, std_of(stream, t))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _hwm_kb()
     print(json.dumps({"peak_growth_kb": peak - before, "buffers": buffer_bytes(stream)}))
 
 
@@ -93,7 +103,7 @@ def main() -> int:
     parser.add_argument("--releases", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--rss-releases", type=int, default=32)
+    parser.add_argument("--rss-releases", type=int, default=64)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -131,17 +141,19 @@ def main() -> int:
         print(f"  repetition {rep + 1}: " + ", ".join(f"{n} {per[n][-1] * 1e3:.1f} ms" for n in STREAMS),
               flush=True)
 
-    rss = {}
+    rss: dict[str, dict[str, dict]] = {"default": {}, "mmap": {}}
     for name in STREAMS:
-        out = subprocess.run([sys.executable, __file__, "--child", name, "--d", str(args.d),
-                              "--rss-releases", str(args.rss_releases)], capture_output=True, text=True, check=True)
-        rss[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        for allocator, extra in (("default", {}), ("mmap", {"MALLOC_MMAP_THRESHOLD_": "1048576"})):
+            out = subprocess.run([sys.executable, __file__, "--child", name, "--d", str(args.d),
+                                  "--rss-releases", str(args.rss_releases)], capture_output=True, text=True,
+                                 check=True, env={**os.environ, **extra})
+            rss[allocator][name] = json.loads(out.stdout.strip().splitlines()[-1])
 
     print(f"\n{args.releases} timed releases per repetition after {args.warmup} warm-up, {args.repeat} interleaved "
           f"repetitions; median [min, max] over repetitions\n")
     print("| stream | ms / release | / independent (same repetition) | persistent buffers | MB | "
-          f"peak RSS growth, {args.rss_releases} releases (MB) |")
-    print("|---|---|---|---|---|---|")
+          f"peak RSS growth, {args.rss_releases} releases: glibc default | same, freed blocks unmapped at once |")
+    print("|---|---|---|---|---|---|---|")
     for name in STREAMS:
         ms = [x * 1e3 for x in per[name]]
         ratios = [a / b for a, b in zip(per[name], per["independent"])]
@@ -149,7 +161,8 @@ def main() -> int:
         print(f"| {label} | {statistics.median(ms):.1f} [{min(ms):.1f}, {max(ms):.1f}] | "
               f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] | "
               f"{most[name] / vector_bytes:g} x d | {most[name] / 2 ** 20:.1f} | "
-              f"{rss[name]['peak_growth_kb'] / 1024:.1f} |")
+              + " | ".join(f"{rss[a][name]['peak_growth_kb'] / 1024:.0f} MB "
+                           f"({rss[a][name]['peak_growth_kb'] * 1024 / vector_bytes:.1f} x d)" for a in rss) + " |")
 
     print("\npersistent buffers vs horizon (after one release, all buffers are allocated then)\n")
     print("| stream | horizon 64 | horizon 1024 | horizon 2048 |")
@@ -165,7 +178,7 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"\nfinished {datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC, load average "
           f"{os.getloadavg()[0]:.2f}; peak RSS of this process "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+          f"{_hwm_kb() / 1024:.0f} MB")
     return 0
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import math
 import platform
 import sys

@@ -82,6 +82,7 @@ class BandMFNoise(ToeplitzNoise):
         for c, past in zip(self._c[1:], self._buffers):
             y.sub_(past, alpha=c)
         y.div_(self._c[0])
-        if len(self._c) > 1:
-            self._buffers = [y.clone()] + self._buffers[:len(self._c) - 2]
+        if len(self._c) > 1:  # the oldest buffer, overwritten in place, becomes the newest (no model-sized churn)
+            newest = self._buffers.pop() if len(self._buffers) == len(self._c) - 1 else torch.empty_like(y)
+            self._buffers.insert(0, newest.copy_(y))
         return y

@@ -200,7 +200,7 @@ class CorrelatedNoise:
         if t == 1:
             self._buffers = []
         self.index += 1
-        if std == 0.0:
+        if std == 0.0:  # z = 0 (no privacy): every release's std is 0, so skipping the recurrence is exact
             return
         y = self._next(self._fresh(target), t)
         target.add_(y, alpha=std / self._row_norm(t))
