@@ -45,7 +45,7 @@ import time
 import numpy as np
 import torch
 
-from fedprivacy.privacy.bandmf import BandMFNoise
+from fedprivacy.privacy.bandmf import BandMFNoise, bandmf_coefficients
 from fedprivacy.privacy.blt import BLTNoise
 from fedprivacy.privacy.matrix_factorization import inverse_coefficients, participations, prefix_error
 from fedprivacy.privacy.noise import GaussianNoise
@@ -242,19 +242,7 @@ def sqrt_factor_ratio(n: int, b: int) -> float:
 
 def optimal_toeplitz_ratio(n: int, iterations: int = 300) -> float:
     """Single participation: ``min_c (1/n)||A C^{-1}||_F^2 ||c||^2`` over all ``n`` coefficients (``c_0 = 1``)."""
-    free = torch.tensor(sqrt_coefficients(n)[1:], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([free], lr=1.0, max_iter=iterations, tolerance_grad=1e-12, tolerance_change=1e-15,
-                            history_size=20, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        opt.zero_grad()
-        c = torch.cat([torch.ones(1, dtype=torch.float64), free])
-        value = prefix_error(inverse_coefficients(c, n)) * (c @ c)
-        value.backward()
-        return value
-
-    opt.step(loss)
-    c = torch.cat([torch.ones(1, dtype=torch.float64), free.detach()])
+    c = torch.tensor(np.array(bandmf_coefficients(n, n, iterations)))  # BandMF's objective with every band free
     return math.sqrt(float(prefix_error(inverse_coefficients(c, n)) * (c @ c)) / ((n + 1) / 2))
 
 
