@@ -155,3 +155,18 @@ def test_the_audit_still_catches_a_broken_server_with_blt_on(variant, trials):
                        list(BLT[:4]), source="test")
     report = run_audit(cfg, trials=trials, variant=variant)
     assert report.passed == (variant == "correct")
+
+
+def test_the_correlated_noise_example_runs_learns_and_reports_one_gaussian(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "examples" / "correlated_noise.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    accuracy, eps = map(float, re.search(r"accuracy ([\d.]+) .* epsilon ([\d.]+)", out.stdout).groups())
+    accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert accuracy > 0.75
+    assert eps == pytest.approx(accountant.compose(dp_accounting.GaussianDpEvent(2.0)).get_epsilon(1e-3), abs=0.01)
