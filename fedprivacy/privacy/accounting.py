@@ -430,15 +430,6 @@ def _pld_epsilon(entries: Sequence[Entry], delta: float) -> float:
     return float(total.get_epsilon_for_delta(delta))
 
 
-def _merged(entries: Sequence[Entry]) -> list[Entry]:
-    """``entries`` with equal events merged into one count each, in order of first appearance: composition is
-    commutative, and a cyclic schedule's ledger alternates a few events (one PLD composition per distinct event)."""
-    counts: dict[AccountedEvent, int] = {}
-    for rnd, count in entries:
-        counts[rnd] = counts.get(rnd, 0) + count
-    return list(counts.items())
-
-
 def _as_ledger(ledger_or_entries: PrivacyLedger | Iterable[Entry]) -> PrivacyLedger:
     return ledger_or_entries if isinstance(ledger_or_entries, PrivacyLedger) else PrivacyLedger(ledger_or_entries)
 
@@ -449,8 +440,8 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
 
     Events other than :class:`GaussianRound` are accounted from their ``DpEvent`` (rdp: dp_accounting's
     ``RdpAccountant``, its RDP added to the Gaussian rounds'; pld: dp_accounting's ``PLDAccountant`` over all of
-    them; prv: not modelled, ``None``), except :class:`CoveredRelease`, which composes nothing. Equal events are
-    composed once with their total count (composition is commutative).
+    them; prv: not modelled, ``None``), except :class:`CoveredRelease`, which composes nothing (dropped, so that the
+    equal events around it merge into one entry).
 
     Args:
         ledger_or_entries: a :class:`PrivacyLedger` or ``(event, count)`` pairs, in order.
@@ -474,10 +465,12 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     orders = tuple(float(a) for a in (RDPAccountant.DEFAULT_ALPHAS if rdp_orders is None else rdp_orders))
     if not orders or not all(math.isfinite(a) and a > 1 for a in orders):
         raise ValueError(f"rdp_orders must be a non-empty list of finite orders > 1, got {rdp_orders!r}")
-    entries = _merged(_as_ledger(ledger_or_entries).entries)
+    entries = _as_ledger(ledger_or_entries).entries
     if entries and entries[0][0].neighboring_relation == _REPLACE_ONE and kind != "rdp":
         return None
-    entries = [(rnd, count) for rnd, count in entries if not isinstance(rnd, CoveredRelease)]  # compose nothing
+    # CoveredRelease composes nothing: dropped, the entries around it merge (a cyclic ledger's cycle starts become
+    # one entry, one PLD composition), in order (the result is bit for bit what PLDAccountant builds for them)
+    entries = PrivacyLedger((rnd, count) for rnd, count in entries if not isinstance(rnd, CoveredRelease)).entries
     gaussian = [rnd for rnd, _ in entries if isinstance(rnd, GaussianRound)]
     if kind == "prv" and len(gaussian) < len(entries):
         return None
