@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import abc
+
 import numpy as np
 import torch
 
@@ -106,7 +108,7 @@ def toeplitz_sensitivity(c: torch.Tensor, n: int, separation: int, k: int) -> to
     return torch.linalg.vector_norm(strided_column_sum(c, n, separation, k))
 
 
-class CorrelatedNoise:
+class CorrelatedNoise(abc.ABC):
     r"""A :class:`~.noise.NoiseStream` releasing :math:`\sigma s(C) (C^{-1} w)_t` (module docstring).
 
     Subclasses give the recurrence (:meth:`_next`, on model-sized buffers), :meth:`_row_norm` (the norm of
@@ -138,13 +140,13 @@ class CorrelatedNoise:
     # -- what a release is -------------------------------------------------------------------
     sensitivity: float
 
+    @abc.abstractmethod
     def _row_norm(self, t: int) -> float:
         """``||(C^{-1})_{t,:}||`` for ``t`` in ``1..horizon``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _next(self, w: torch.Tensor, t: int) -> torch.Tensor:
         """``(C^{-1} w)_t`` from this release's ``w_t`` (``t`` in ``1..horizon``), updating the buffers."""
-        raise NotImplementedError
 
     def _position(self, release: int) -> int:
         return (release - 1) % self.horizon + 1

@@ -26,6 +26,7 @@ stream needs a cyclic one (its sensitivity counts participations ``b`` apart).
 
 from __future__ import annotations
 
+import abc
 import secrets
 from typing import Any, Literal, Protocol
 
@@ -64,7 +65,7 @@ class ParticipationSchedule(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class _Sampler:
+class _Sampler(abc.ABC):
     kind: Schedule
     separation: int | None = None
 
@@ -81,8 +82,9 @@ class _Sampler:
         entropy = secrets.randbits(128) if secure else [seed, SAMPLING_STREAM]
         self._rng = np.random.default_rng(np.random.SeedSequence(entropy))
 
+    @abc.abstractmethod
     def sample(self, release: int = 1) -> np.ndarray:
-        raise NotImplementedError
+        """Sorted indices of the cohort of the round making release ``release``."""
 
     def round_event(self, noise_multiplier: float, release: int = 1) -> AccountedEvent:
         """The accounting event of one round released with this sampler (the same every release)."""
