@@ -350,6 +350,27 @@ class MechanismConfig(_Section):
     """BLT's buffers."""
 
 
+class SecureAggregationConfig(_Section):
+    """SecAgg+ with the distributed Skellam mechanism (fedprivacy.fl.secure_aggregation): the server learns only
+    the sum of the clients' noisy integer shares. Needs ``placement: distributed`` and Poisson sampling."""
+
+    threshold: int = Field(ge=2)
+    """t: shares needed to rebuild a node's secrets; the fewest survivors a round completes with."""
+    neighbours: int = Field(ge=3)
+    """k: each node's neighbourhood, itself included (odd; the whole cohort when larger)."""
+    bits: int = Field(20, ge=8, le=32)
+    """b: the shares and their sum live modulo 2^b."""
+    timeout_s: float | None = Field(None, gt=0)
+    """Seconds each protocol stage waits for replies (None: until every node answered or was reported gone)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SecureAggregationConfig:
+        if self.threshold > self.neighbours or self.neighbours % 2 == 0:
+            raise ValueError(f"privacy.secure_aggregation needs threshold <= neighbours and neighbours odd, got "
+                             f"threshold={self.threshold}, neighbours={self.neighbours}")
+        return self
+
+
 class PrivacyConfig(_Section):
     """User-level DP: flat L2 clipping, one Gaussian draw on the sum, fixed divisor, accounting."""
 
@@ -384,6 +405,9 @@ class PrivacyConfig(_Section):
     its own upload, with a per-client epsilon (local). Clients clip in the last two."""
     secure_noise: bool = False
     """Seed the noise generator from the OS's cryptographic source instead of the run seed."""
+    secure_aggregation: SecureAggregationConfig | None = None
+    """SecAgg+ with distributed Skellam noise instead of Gaussian shares summed in the clear (needs
+    ``placement: distributed``, ``sampling: poisson``, independent noise, ``budget_accountant: rdp``)."""
     adaptive_clipping: AdaptiveClipConfig | None = None
     noise_cohort: int | None = Field(None, ge=1)
     """Large-cohort emulation (pfl-research's ``noise_cohort_size``): simulate ``expected_cohort``
@@ -423,6 +447,15 @@ class PrivacyConfig(_Section):
             raise ValueError(f"privacy.noise_cohort (emulation) needs privacy.sampling poisson or fixed, got "
                              f"{self.sampling!r}")
         kind = self.mechanism.kind
+        if self.secure_aggregation is not None:
+            wrong = {name: value for name, value, ok in (
+                ("placement", self.placement, "distributed"), ("sampling", self.sampling, "poisson"),
+                ("mechanism.kind", kind, "independent"), ("budget_accountant", self.budget_accountant, "rdp"),
+                ("noise_stream", self.noise_stream, None)) if value != ok}
+            if wrong:
+                raise ValueError("privacy.secure_aggregation needs placement: distributed, sampling: poisson, independent "
+                                 "noise and budget_accountant: rdp (the only accountant of Skellam noise); got "
+                                 + ", ".join(f"privacy.{k}={v!r}" for k, v in wrong.items()))
         if kind == "independent":
             return self
         if not cyclic:
@@ -602,6 +635,20 @@ class RunConfig(_Section):
         if kind != "independent" and self.server.disk is not None:
             raise ValueError(f"server.disk models noise independent across rounds; privacy.mechanism.kind={kind!r} "
                              "correlates it (use one or the other)")
+        return self
+
+    @model_validator(mode="after")
+    def _secure_aggregation_fits_the_run(self) -> RunConfig:
+        if self.privacy.secure_aggregation is None:
+            return self
+        clashes = [name for name, on in (("client.sample_dp", self.client.sample_dp is not None),
+                                          ("server.disk", self.server.disk is not None),
+                                          ("client.compression", self.client.compression is not None),
+                                          ("processes > 1", (self.processes or 1) > 1),
+                                          ("engine: ray", self.engine == "ray")) if on]
+        if clashes:
+            raise ValueError(f"privacy.secure_aggregation does not work with {', '.join(clashes)} (the masked upload "
+                             "carries one update and nothing else; its protocol runs in-process or on SuperNodes)")
         return self
 
     @model_validator(mode="after")

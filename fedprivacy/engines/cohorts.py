@@ -141,9 +141,9 @@ class CohortTrainer:
 
     @staticmethod
     def handles(messages: Sequence[Message]) -> bool:
-        """Whether these are plain ``train`` messages (no DiSK lookahead) that :meth:`replies` answers."""
-        return bool(messages) and all(m.metadata.message_type == "train"
-                                      and "lookahead" not in m.content.array_records for m in messages)
+        """Whether these are plain ``train`` messages (no DiSK lookahead, no SecAgg+ stage) that :meth:`replies` answers."""
+        return bool(messages) and all(m.metadata.message_type == "train" and "lookahead" not in m.content.array_records
+                                      and "secagg" not in m.content.config_records for m in messages)
 
     def replies(self, messages: Sequence[Message]) -> Iterator[Message]:
         """The ClientApp's reply to each message, trained in chunks (the class docstring), chunk by chunk."""

@@ -50,6 +50,7 @@ from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
 from fedprivacy.fl.mods import RESIDUAL_KEY, compressed_upload, noised_upload
+from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg
 from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.side_information import node_side_information
@@ -136,6 +137,17 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         c = cfg if cfg is not None else config_from_context(context)[0]
+        secagg = c.privacy.secure_aggregation
+        if secagg is not None and is_secagg(msg):  # SecAgg+: the protocol's stages, training in its collect stage
+            p, secret = c.privacy, c.privacy.secure_noise or cfg is None
+            assert p.noise_multiplier != "auto", "the server sends the calibrated config"
+            settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits,
+                                      seed=None if secret else c.seed)
+            return handle(msg, context, settings, train_plain)
+        return train_plain(msg, context)
+
+    def train_plain(msg: Message, context: Context) -> Message:
+        c = cfg if cfg is not None else config_from_context(context)[0]
         job = ClientJob.of(msg, int(context.node_config["partition-id"]), c, simulated=cfg is not None)
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
@@ -197,7 +209,9 @@ def client_reply(msg: Message, state: RecordDict, c: RunConfig, job: ClientJob, 
             tensor_sizes=[p.numel() for p in model.parameters()] if comp.per_tensor else None)
         metrics["residual-bytes"] = float(residual_bytes)
     p = c.privacy
-    if p.placement != "central":  # the client clips and adds its noise (its own generator per round)
+    if p.secure_aggregation is not None:  # the SecAgg+ handler clips, adds the Skellam share and masks
+        metrics = {}
+    elif p.placement != "central":  # the client clips and adds its noise (its own generator per round)
         update = noised_upload(update, p.clip_norm, client_noise_std(p.placement, p.noise_multiplier, p.clip_norm,
                                                                      p.expected_cohort),
                                GaussianNoise(c.seed, device=c.device, secure=job.secret,

@@ -37,6 +37,7 @@ from fedprivacy.config import ConfigError, MicroAdamConfig, RunConfig
 from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.run_config import config_from_context
+from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
 from fedprivacy.outputs import RunOutputs
@@ -114,7 +115,10 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                budget_accountant=p.budget_accountant, accountants=tuple(p.accountants),
                seed=None if p.secure_noise else cfg.seed, noise_cohort=p.noise_cohort,
                noise_population=p.noise_population, device=cfg.device,
-               noise_stream=noise_stream_of(cfg), groups=p.groups, node_content=node_content)
+               noise_stream=noise_stream_of(cfg), groups=p.groups, node_content=node_content,
+               secure_aggregation=None if p.secure_aggregation is None else SecureAggregation(
+                   p.secure_aggregation.threshold, p.secure_aggregation.neighbours, p.secure_aggregation.bits,
+                   p.secure_aggregation.timeout_s))
 
 
 def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:

@@ -64,11 +64,13 @@ every cohort and every noise draw, and with them the noise-free sums.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -86,13 +88,17 @@ from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
+from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
+from fedprivacy.privacy.secure_mechanism import SecureSum, SkellamMechanism
 from fedprivacy.privacy.noise import GaussianNoise, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.privacy.sampling import Schedule
 
 log = logging.getLogger(__name__)
+
+ROTATION_STREAM = 0x726F74  # "rot": a seeded simulation's rotation seeds, disjoint from its other streams
 
 
 class NodeContent(Protocol):
@@ -195,6 +201,7 @@ class DPFedAvg(Strategy):
                  seed: int | None = None, noise_cohort: int | None = None, noise_population: int | None = None,
                  device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
                  node_content: NodeContent | None = None, groups: int = 1,
+                 secure_aggregation: SecureAggregation | None = None,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
@@ -204,13 +211,22 @@ class DPFedAvg(Strategy):
                          "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
                          "delta": delta, "seed": seed, "noise_cohort": noise_cohort,
                          "noise_population": noise_population,
-                         "noise_stream": stream_name(noise_stream), **({"groups": groups} if groups != 1 else {})}
+                         "noise_stream": stream_name(noise_stream), **({"groups": groups} if groups != 1 else {}),
+                         **({"secure_aggregation": asdict(secure_aggregation)} if secure_aggregation else {})}
         """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
-        self.mechanism = self.mechanism_cls(
+        mechanism_args: dict[str, Any] = dict(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
             population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping,
             noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device,
             noise_stream=noise_stream, groups=groups)
+        self.secure_aggregation = secure_aggregation
+        if secure_aggregation is not None:
+            if record_level or disk_kappa is not None:
+                raise ValueError("secure_aggregation: record_level and disk_kappa are not supported (the masked "
+                                 "upload carries neither an event nor a second update)")
+            self.mechanism: GaussianMechanism = SkellamMechanism(bits=secure_aggregation.bits, **mechanism_args)
+        else:
+            self.mechanism = self.mechanism_cls(**mechanism_args)
         if disk_kappa is not None and not getattr(self.mechanism.noise, "independent", True):
             raise ValueError(f"DiSK (disk_kappa={disk_kappa}) models noise independent across rounds; noise_stream="
                              f"{stream_name(noise_stream)} correlates it (use one or the other)")
@@ -232,6 +248,7 @@ class DPFedAvg(Strategy):
         self.nodes: list[int] | None = None  # the population's node ids, in sampling order
         self._labels: dict[int, int] = {}  # node id -> the id its client-side ledger is kept under
         self.cohort: list[int] = []  # this round's sampled nodes
+        self._secagg: SecAggRound | None = None  # this round's SecAgg+ protocol, between configure and aggregate
         self._waiting: set[int] = set()  # sampled nodes that have not answered: each may contribute once
         self._downlink = 0
         self.round = 0  # rounds completed, across restarts
@@ -284,17 +301,29 @@ class DPFedAvg(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """Sample the cohort over the full population; broadcast ``x_t`` (``arrays``), ``config``, C_t,
         DiSK's lookahead and the node content to it; nothing once the budget would be exceeded."""
+        self.adopt(arrays)
         if self._out_of_budget(self._offset + server_round):
             return []
         nodes = self._population(grid)
-        self.adopt(arrays)
         t = self._offset + server_round
         self.cohort = [nodes[i] for i in self.mechanism.sample()]
         self._waiting = set(self.cohort)
         content = self._broadcast(t, config)
-        extra = self.node_content
-        return [Message(RecordDict({**content, **(extra.content_for(node) if extra else {})}), dst_node_id=node,
-                        message_type="train", group_id=str(t)) for node in self.cohort]
+        if self.secure_aggregation is None:
+            return [self._train_message(t, content, node) for node in self.cohort]
+        self._secagg = SecAggRound(grid, self.secure_aggregation, t, self._rotation_seed(t), list(self.cohort))
+        try:
+            receivers = self._secagg.prepare()
+        except SecAggAborted as err:
+            log.error("%s: nothing released, nothing accounted", err)
+            self._secagg = None
+            return []
+        return [self._train_message(t, {**content, SECAGG: self._secagg.collect_content(node)}, node)
+                for node in receivers]
+
+    def _train_message(self, t: int, content: Mapping[str, ArrayRecord | ConfigRecord], node: int) -> Message:
+        extra = self.node_content.content_for(node) if self.node_content is not None else {}
+        return Message(RecordDict({**content, **extra}), dst_node_id=node, message_type="train", group_id=str(t))
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -302,11 +331,18 @@ class DPFedAvg(Strategy):
         ahead and accounted), then :meth:`post_process`: ``x_{t+1}`` and the round's metrics."""
         if self.stopped or self.params is None:
             return None, None
+        if self.secure_aggregation is not None:
+            return self._aggregate_secure(self._offset + server_round, replies)
         agg = self._aggregator()
         diagnostics = self._collect(self._offset + server_round, replies, agg)
         self.round = self._offset + server_round
         self._report_rejections(agg)
-        released = self.mechanism.release(agg, self.round)
+        return self._finish(agg, self.mechanism.release(agg, self.round), diagnostics)
+
+    def _finish(self, agg: PrivateSum, released: Release, diagnostics: _Diagnostics,
+                extra: Mapping[str, float] | None = None) -> tuple[ArrayRecord, MetricRecord]:
+        """After the release: :meth:`post_process`, the next draw's prefetch, the checkpoint, the round's metrics."""
+        assert self.params is not None
         self.post_process(released.g, released.phi)
         self._record = layout_to_record(self.params, self.layout)
         if self.prefetch_noise and (self.rounds_planned is None or self.round < self.rounds_planned):
@@ -314,9 +350,66 @@ class DPFedAvg(Strategy):
         if self.state is not None:
             self.state.save(self.settings, self.state_dict())
         metrics: dict[str, Any] = {**diagnostics.metrics(), **self._privacy_metrics(agg, released),
-                   "downlink_bytes_per_client": float(self._downlink), "cohort_sampled": float(len(self.cohort)),
-                   "cohort_dropped": float(len(self._waiting))}
+                                   **self._round_metrics(), **(extra or {})}
         return self._record, MetricRecord(metrics)
+
+    def _round_metrics(self) -> dict[str, float]:
+        return {"downlink_bytes_per_client": float(self._downlink), "cohort_sampled": float(len(self.cohort)),
+                "cohort_dropped": float(len(self._waiting))}
+
+    def _aggregate_secure(self, t: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord]:
+        """The SecAgg+ round's end (:mod:`fedprivacy.fl.secure_aggregation`): sum the masked uploads mod 2^b, check
+        the survivors, log the release ahead with the noise they added, unmask, decode, post-process. Below the
+        threshold the round ends with one logged line, the model unchanged and nothing accounted."""
+        secagg, self._secagg = self._secagg, None
+        self.round = t
+        aborted: dict[str, Any] = {**{f"epsilon_{k}": float("nan") if v is None else v for k, v in self.epsilons().items()},
+                   **self._round_metrics(), "secagg_aborted": 1.0, "secagg_survivors": 0.0}
+        if secagg is None:  # aborted before the model was sent (logged then)
+            for _ in replies:
+                pass
+            return self._record, MetricRecord(aborted)
+        assert self.params is not None
+        agg = self.mechanism.aggregator(self.params.numel())
+        assert isinstance(agg, SecureSum)
+        agg.rotation_seed = secagg.rotation_seed
+        diagnostics = _Diagnostics()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in self._waiting:
+                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
+                            t, node)
+                continue
+            self._waiting.discard(node)
+            try:
+                values = masked_upload(reply_content(reply), agg.params.padded_dim)
+            except RejectedUpdate as err:
+                agg.reject(err.reason, f"node {node}", str(err))
+                continue
+            agg.add_masked(node, values)
+            diagnostics.uplink.append(values.nbytes)
+        try:
+            secagg.check(agg.survivors)
+        except SecAggAborted as err:
+            log.error("%s: nothing released, nothing accounted", err)
+            return self._record, MetricRecord({**aborted, "secagg_survivors": float(len(agg.survivors))})
+        self._report_rejections(agg)
+        agg.unmask = lambda: secagg.unmask(agg.survivors, agg.params.padded_dim)
+        try:
+            released = self.mechanism.release(agg, t)
+        except SecAggAborted as err:
+            log.error("%s: nothing released; the release logged ahead stays accounted", err)
+            return self._record, MetricRecord({**aborted, **{f"epsilon_{k}": float("nan") if v is None else v
+                                                             for k, v in self.epsilons().items()}})
+        return self._finish(agg, released, diagnostics,
+                            {"secagg_aborted": 0.0, "secagg_survivors": float(len(agg.survivors))})
+
+    def _rotation_seed(self, t: int) -> int:
+        """The round's public rotation seed: from the OS, or (a seeded simulation) from the seed and the round."""
+        seed = self.mechanism.seed
+        if seed is None:
+            return secrets.randbits(63)
+        return int(np.random.SeedSequence([seed, ROTATION_STREAM, t]).generate_state(1, np.uint64)[0] >> 1)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

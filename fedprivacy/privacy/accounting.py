@@ -360,7 +360,9 @@ def pld_value_discretization_interval(rounds: Iterable[GaussianRound]) -> float:
 def _rdp_per_round(rnd: AccountedEvent, orders: tuple[float, ...]) -> np.ndarray:
     """RDP of one release at each order, under its neighbouring relation (read-only, memoized): Opacus' for a
     Poisson :class:`GaussianRound`, dp_accounting's ``RdpAccountant`` on its ``DpEvent`` for any other event."""
-    if not isinstance(rnd, GaussianRound):
+    if hasattr(rnd, "rdp"):  # an event that states its own RDP curve (e.g. Skellam: no DpEvent models it)
+        rdp = np.array(rnd.rdp(orders), dtype=np.float64)
+    elif not isinstance(rnd, GaussianRound):
         accountant = dp_rdp.RdpAccountant(orders, neighboring_relation=rnd.neighboring_relation)
         rdp = np.array(accountant.compose(rnd.dp_event()).rdp, dtype=np.float64)
     elif rnd.sampling == "fixed":
@@ -440,7 +442,8 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
 
     Events other than :class:`GaussianRound` are accounted from their ``DpEvent`` (rdp: dp_accounting's
     ``RdpAccountant``, its RDP added to the Gaussian rounds'; pld: dp_accounting's ``PLDAccountant`` over all of
-    them; prv: not modelled, ``None``), except :class:`CoveredRelease`, which composes nothing (dropped, so that the
+    them; prv: not modelled, ``None``), or from the RDP curve an event states itself (its ``rdp(orders)``, e.g.
+    :class:`~fedprivacy.privacy.skellam.SkellamRound`; pld and prv: ``None``), except :class:`CoveredRelease`, which composes nothing (dropped, so that the
     equal events around it merge into one entry).
 
     Args:
@@ -472,7 +475,8 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     # one entry, one PLD composition), in order (the result is bit for bit what PLDAccountant builds for them)
     entries = PrivacyLedger((rnd, count) for rnd, count in entries if not isinstance(rnd, CoveredRelease)).entries
     gaussian = [rnd for rnd, _ in entries if isinstance(rnd, GaussianRound)]
-    if kind == "prv" and len(gaussian) < len(entries):
+    if (kind == "prv" and len(gaussian) < len(entries)) or (kind != "rdp" and any(hasattr(rnd, "rdp")
+                                                                                   for rnd, _ in entries)):
         return None
     active = [(rnd, count) for rnd, count in entries if not isinstance(rnd, GaussianRound) or rnd.q > 0]
     if not active:

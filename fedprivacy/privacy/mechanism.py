@@ -197,6 +197,11 @@ class GaussianMechanism:
         """The noise stream's number for release ``release`` (its releases count from 1 since it was built)."""
         return release - self.stream_start + 1
 
+    def release_event(self, agg: PrivateSum) -> AccountedEvent:
+        """What the release of ``agg`` is accounted as (seam): the planned :meth:`event`; a mechanism whose noise
+        depends on who answered (the clients' shares under secure aggregation) accounts what was added."""
+        return self.event()
+
     def _value_noise_multiplier(self) -> float:
         """The next release's value noise multiplier on the simulated sum: ``z_v f_k``."""
         return self.value_noise_multiplier * self.noise.std_factor(self.stream_release(self.next_release))
@@ -223,7 +228,7 @@ class GaussianMechanism:
         """Log the release ahead (if a log is attached), draw the noise, divide, then (adaptive
         clipping) release the clipped count and move C; compose the round's event into the ledger.
         Returns ``g_t`` with the Phi_t and C_t it was released at (:class:`Release`)."""
-        event, phi, clip_norm = self.event(), self.phi(), self.clip_norm
+        event, phi, clip_norm = self.release_event(agg), self.phi(), self.clip_norm
         if self.release_log is not None:
             draw = self.noise.draw_id() if agg.server_noise_std() > 0 else None
             self.release_log.record(self.ledger, round_, event, draw)  # durable BEFORE the noise is added

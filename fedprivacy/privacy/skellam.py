@@ -1,0 +1,317 @@
+r"""The distributed Skellam mechanism (Agarwal, Kairouz, Liu 2021, arXiv:2110.04995): integer client shares
+that secure aggregation sums modulo :math:`2^b`, and its RDP accounting.
+
+Client ``i``'s upload, all in integers once scaled (the paper's Alg. 1; the conditional rounding is Kairouz et
+al. 2021, arXiv:2102.06387, Alg. 1 and Thm. 1):
+
+.. math::
+    x_i &= \operatorname{clip}(u_i, C) \in \mathbb R^d, \ \text{zero-padded to } D = 2^{\lceil \log_2 d \rceil} \\
+    y_i &= s \cdot H_D \Sigma x_i / \sqrt D
+        \qquad (\Sigma = \operatorname{diag}(\pm 1) \text{ from the round's public seed: a randomized Hadamard rotation}) \\
+    \tilde y_i &= \text{randomized rounding of } y_i, \text{ redrawn until } \lVert \tilde y_i \rVert_2 \le \Delta_2 \\
+    v_i &= \tilde y_i + \mathrm{Sk}(\mu / m) \bmod 2^b
+        \qquad (\mathrm{Sk}(\lambda) = \mathrm{Poisson}(\lambda/2) - \mathrm{Poisson}(\lambda/2), \text{ variance } \lambda)
+
+and the server, from the sum :math:`\sum_i v_i \bmod 2^b` (all it ever learns under secure aggregation), maps it
+to :math:`[-2^{b-1}, 2^{b-1})`, divides by ``s`` and rotates back. Skellam noise is closed under summation: ``n``
+shares sum to exactly :math:`\mathrm{Sk}(n\mu/m)`, so a round whose ``n`` survivors are fewer than ``m`` is the
+Skellam mechanism with variance :math:`n\mu/m`, which is what it is accounted as (:meth:`SkellamParams.event`).
+
+Parameters (:class:`SkellamParams`): ``z`` sets the total variance at ``m`` shares, :math:`\mu = (z C s)^2`, the
+scaled analogue of the Gaussian :math:`N(0, z^2C^2)`; the scale ``s`` is the largest for which ``m`` clients'
+sum stays inside the modulus with ``k`` standard deviations of headroom (TFF's ``DistributedDpSumFactory``
+rule: :math:`2^{b} = 2k\sqrt{m^2 C^2 s^2/D + z^2C^2 s^2 + m/4}`); the rounded vectors' sensitivities are
+Kairouz et al.'s bound with :math:`\beta = e^{-1/2}` (their Thm. 1, Eq. (6)):
+
+.. math::
+    \Delta_2 = \min\Big(C s + \sqrt D,\ \sqrt{C^2s^2 + D/4 + \sqrt{2\log(1/\beta)}\,(Cs + \sqrt D / 2)}\Big),
+    \qquad \Delta_1 = \min(\Delta_2^2, \sqrt D\, \Delta_2)
+
+(an integer vector has :math:`|v_j| \le v_j^2`). The rounding ENFORCES :math:`\lVert\tilde y\rVert_2 \le \Delta_2`
+(it redraws), so the bound is a sensitivity, not a high-probability statement.
+
+Accounting (:class:`SkellamRound`): RDP of the Skellam mechanism with variance :math:`\mu` (Agarwal et al. 2021,
+Thm. 3.5 / Cor. 3.6), integer orders :math:`\alpha > 1`:
+
+.. math:: \varepsilon(\alpha) \le \frac{\alpha \Delta_2^2}{2\mu}
+          + \min\Big(\frac{(2\alpha - 1)\Delta_2^2 + 6\Delta_1}{4\mu^2}, \frac{3\Delta_1}{2\mu}\Big)
+
+amplified by Poisson sampling with Zhu and Wang's upper bound for any mechanism with an RDP curve ("Poisson
+subsampled Renyi differential privacy", ICML 2019, Thm. 6), the smaller of the two per order. Fractional orders
+get no bound (``inf``), so the conversion to :math:`(\varepsilon, \delta)` uses the integer ones. PLD and PRV do
+not model Skellam noise: :func:`~fedprivacy.privacy.accounting.epsilon` reports ``None`` for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import secrets
+from typing import Any
+
+import dp_accounting
+import numpy as np
+import torch
+from scipy import special
+
+from fedprivacy.privacy.events import register_event
+
+BETA = math.exp(-0.5)
+"""Kairouz et al.'s rounding bound parameter (TFF's default): the rounding is redrawn with probability <= beta."""
+MAX_ROUNDING_TRIES = 1000
+"""Redraws of the conditional rounding before giving up (each succeeds with probability >= 1 - beta)."""
+MIN_BITS, MAX_BITS = 8, 32
+"""The modulus bit widths accepted (uploads travel as uint32)."""
+
+
+def _fwht_(x: torch.Tensor) -> torch.Tensor:
+    r"""The unnormalized Walsh-Hadamard transform :math:`H_D x` of a length :math:`D = 2^k` vector, in place."""
+    h, n = 1, x.numel()
+    while h < n:
+        view = x.view(-1, 2, h)
+        first = view[:, 0, :].clone()
+        view[:, 0, :] += view[:, 1, :]
+        view[:, 1, :].neg_().add_(first)
+        h *= 2
+    return x
+
+
+def _signs(seed: int, size: int) -> torch.Tensor:
+    """The rotation's diagonal :math:`\\Sigma` (float64 +-1) from the round's public seed."""
+    bits = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=size, dtype=np.int8)
+    return torch.from_numpy(bits.astype(np.float64) * 2.0 - 1.0)
+
+
+def rotate(x: torch.Tensor, seed: int, padded_dim: int) -> torch.Tensor:
+    r""":math:`H_D \Sigma x / \sqrt D` of ``x`` zero-padded to ``padded_dim`` (float64; an orthogonal map)."""
+    y = torch.zeros(padded_dim, dtype=torch.float64)
+    y[: x.numel()] = x.to(torch.float64)
+    return _fwht_(y.mul_(_signs(seed, padded_dim))).div_(math.sqrt(padded_dim))
+
+
+def unrotate(y: torch.Tensor, seed: int, dim: int) -> torch.Tensor:
+    r"""The inverse of :func:`rotate`: :math:`\Sigma H_D y / \sqrt D`, truncated to the first ``dim`` entries."""
+    x = _fwht_(y.to(torch.float64).clone()).div_(math.sqrt(y.numel())).mul_(_signs(seed, y.numel()))
+    return x[:dim]
+
+
+def rounded_l2_bound(scaled_clip: float, padded_dim: int, beta: float = BETA) -> float:
+    r""":math:`\Delta_2` of the conditionally rounded vector of norm ``<= scaled_clip`` (module docstring)."""
+    loose = scaled_clip + math.sqrt(padded_dim)
+    if beta == 0:
+        return loose
+    tight = scaled_clip ** 2 + padded_dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (scaled_clip + math.sqrt(padded_dim) / 2)
+    return min(loose, math.sqrt(tight))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkellamParams:
+    """What every client and the server derive alike for a model of ``dim`` values (module docstring).
+
+    Attributes:
+        dim: d, the number of values uploaded.
+        clip_norm: C.
+        noise_multiplier: z: the total noise variance at ``expected_cohort`` shares is ``(z C s)^2`` (scaled units).
+        expected_cohort: m: the shares that make up the planned noise, and the cohort the headroom is sized for.
+        bits: b: uploads and sums live modulo ``2^b``.
+        k_stddevs: headroom of the modulus, in standard deviations of the sum.
+        beta: the conditional rounding's parameter.
+    """
+
+    dim: int
+    clip_norm: float
+    noise_multiplier: float
+    expected_cohort: int
+    bits: int
+    k_stddevs: float = 3.0
+    beta: float = BETA
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bits, int) and MIN_BITS <= self.bits <= MAX_BITS):
+            raise ValueError(f"bits must be an integer in [{MIN_BITS}, {MAX_BITS}], got {self.bits!r}")
+        if self.dim < 1 or self.expected_cohort < 1:
+            raise ValueError(f"dim and expected_cohort must be >= 1, got {self.dim}, {self.expected_cohort}")
+        if not (self.clip_norm > 0 and self.noise_multiplier >= 0 and self.k_stddevs > 0 and 0 <= self.beta < 1):
+            raise ValueError(f"need clip_norm > 0, noise_multiplier >= 0, k_stddevs > 0, 0 <= beta < 1; got "
+                             f"{self.clip_norm}, {self.noise_multiplier}, {self.k_stddevs}, {self.beta}")
+        half_range = 2.0 ** (self.bits - 1) / self.k_stddevs
+        if half_range ** 2 <= self.expected_cohort / 4:
+            raise ValueError(f"bits={self.bits} cannot hold the rounding of {self.expected_cohort} clients with "
+                             f"{self.k_stddevs} standard deviations of headroom: raise bits")
+
+    @property
+    def modulus(self) -> int:
+        return 1 << self.bits
+
+    @functools.cached_property
+    def padded_dim(self) -> int:
+        """D: ``dim`` rounded up to a power of two (the Hadamard transform's length)."""
+        return 1 << max(0, (self.dim - 1).bit_length())
+
+    @functools.cached_property
+    def scale(self) -> float:
+        """s: the largest scale whose m-client sum fits the modulus with ``k_stddevs`` of headroom."""
+        m, c, z = self.expected_cohort, self.clip_norm, self.noise_multiplier
+        spread = m * m * c * c / self.padded_dim + (z * c) ** 2
+        return math.sqrt(((2.0 ** (self.bits - 1) / self.k_stddevs) ** 2 - m / 4) / spread)
+
+    @functools.cached_property
+    def l2_sensitivity(self) -> float:
+        """Delta_2 (scaled units): the largest norm a client's rounded vector can have."""
+        return rounded_l2_bound(self.clip_norm * self.scale, self.padded_dim, self.beta)
+
+    @property
+    def l1_sensitivity(self) -> float:
+        """Delta_1 (scaled units)."""
+        d2 = self.l2_sensitivity
+        return min(d2 * d2, math.sqrt(self.padded_dim) * d2)
+
+    @property
+    def total_variance(self) -> float:
+        """mu: the planned noise variance per coordinate of the scaled sum, ``(z C s)^2``."""
+        return (self.noise_multiplier * self.clip_norm * self.scale) ** 2
+
+    @property
+    def share_variance(self) -> float:
+        """mu / m: the variance of one client's share."""
+        return self.total_variance / self.expected_cohort
+
+    def released_std(self, shares: int) -> float:
+        """The noise std per coordinate of the decoded sum (unscaled) when ``shares`` clients added theirs."""
+        return math.sqrt(shares * self.share_variance) / self.scale
+
+    def event(self, shares: int, q: float) -> SkellamRound:
+        """The accounting event of a round whose ``shares`` surviving clients added their noise (module docstring)."""
+        return SkellamRound(q=q, variance=shares * self.share_variance, l2_sensitivity=self.l2_sensitivity,
+                            l1_sensitivity=self.l1_sensitivity)
+
+    # -- the client's and the server's sides -----------------------------------------------------------------
+    def encode(self, update: torch.Tensor, rotation_seed: int, rng: np.random.Generator) -> np.ndarray:
+        """A client's share: clip, rotate, scale, round conditionally, add ``Sk(mu/m)``, wrap (uint32, length D)."""
+        x = update.detach().to(torch.float64).flatten()
+        norm = float(torch.linalg.vector_norm(x))
+        if not math.isfinite(norm):
+            raise ValueError("the update holds NaN or Inf values")
+        if norm > self.clip_norm:
+            x = x * (self.clip_norm / norm)
+        y = rotate(x, rotation_seed, self.padded_dim).mul_(self.scale).numpy()
+        rounded = conditional_rounding(y, self.l2_sensitivity, rng)
+        if self.share_variance > 0:
+            lam = self.share_variance / 2
+            rounded += rng.poisson(lam, size=rounded.size) - rng.poisson(lam, size=rounded.size)
+        return np.bitwise_and(rounded.astype(np.uint64), np.uint64(self.modulus - 1)).astype(np.uint32)
+
+    def decode(self, modular_sum: np.ndarray, rotation_seed: int) -> torch.Tensor:
+        """The sum of the clients' shares, back in model units (float32, length ``dim``), from its value mod 2^b."""
+        signed = np.asarray(modular_sum, dtype=np.int64) & (self.modulus - 1)
+        signed[signed >= self.modulus // 2] -= self.modulus
+        return unrotate(torch.from_numpy(signed.astype(np.float64) / self.scale), rotation_seed, self.dim).float()
+
+    def rounding_error_bound(self, clients: int) -> float:
+        """An upper bound on the L2 distance between the decoded sum and the exact sum of ``clients`` clipped
+        updates, at z = 0 without wrap-around: each rounded coordinate is within 1 of its value, so the scaled
+        error is below ``clients sqrt(D)``, and the rotation back is orthogonal."""
+        return clients * math.sqrt(self.padded_dim) / self.scale
+
+
+def conditional_rounding(y: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
+    r"""Unbiased randomized rounding of ``y`` to integers (``floor(y) + Bernoulli(frac(y))``), redrawn until the
+    result has L2 norm ``<= bound`` (Kairouz et al. 2021, Alg. 1); int64."""
+    floor = np.floor(y)
+    frac = y - floor
+    base = floor.astype(np.int64)
+    for _ in range(MAX_ROUNDING_TRIES):
+        rounded = base + (rng.random(y.size) < frac)
+        if float(np.dot(rounded.astype(np.float64), rounded.astype(np.float64))) <= bound * bound:
+            return rounded
+    raise RuntimeError(f"the conditional rounding exceeded its bound {bound:g} in {MAX_ROUNDING_TRIES} draws")
+
+
+def client_rng(seed: int | None, *stream: int) -> np.random.Generator:
+    """The generator of a client's rounding and noise: from the OS's cryptographic source (``seed`` None, a
+    device's default) or, in a simulation, from ``(seed, *stream)``."""
+    entropy = secrets.randbits(256) if seed is None else [seed, SKELLAM_STREAM, *stream]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+SKELLAM_STREAM = 0x736B656C6C  # "skell": disjoint from the other seeded streams
+
+
+def _skellam_rdp(alpha: int, variance: float, l2: float, l1: float) -> float:
+    """Agarwal et al. 2021, Thm. 3.5 (module docstring), at an integer order."""
+    if variance <= 0:
+        return math.inf
+    return alpha * l2 * l2 / (2 * variance) + min(((2 * alpha - 1) * l2 * l2 + 6 * l1) / (4 * variance ** 2),
+                                                   3 * l1 / (2 * variance))
+
+
+def poisson_subsampled_rdp(alpha: int, q: float, rdp: Any) -> float:
+    r"""Zhu & Wang 2019's upper bound on the RDP of a mechanism with RDP curve ``rdp`` (integer orders) under
+    Poisson sampling with rate ``q``, at integer order ``alpha >= 2``:
+
+    .. math:: \frac{1}{\alpha - 1}\log\Big((1-q)^{\alpha-1}(\alpha q - q + 1) + \binom{\alpha}{2} q^2 (1-q)^{\alpha-2}
+              e^{\varepsilon(2)} + 3\sum_{l=3}^{\alpha}\binom{\alpha}{l}(1-q)^{\alpha-l} q^l e^{(l-1)\varepsilon(l)}\Big)
+    """
+    if q >= 1:
+        return rdp(alpha)
+    if q <= 0:
+        return 0.0
+    terms = [0.0, math.log(special.comb(alpha, 2)) + 2 * math.log(q) + (alpha - 2) * math.log1p(-q) + rdp(2)]
+    weights = [(1 - q) ** (alpha - 1) * (alpha * q - q + 1), 1.0]
+    for j in range(3, alpha + 1):
+        terms.append((j - 1) * rdp(j) + _log_comb(alpha, j) + (alpha - j) * math.log1p(-q) + j * math.log(q))
+        weights.append(3.0)
+    return float(special.logsumexp(terms, b=weights)) / (alpha - 1)
+
+
+def _log_comb(n: int, k: int) -> float:
+    return float(special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1))
+
+
+@register_event
+@dataclasses.dataclass(frozen=True)
+class SkellamRound:
+    """One release of the distributed Skellam mechanism over a Poisson-sampled cohort (add/remove one user).
+
+    Attributes:
+        q: the sampling rate.
+        variance: mu, the per-coordinate variance of the noise the SURVIVING clients added (scaled units).
+        l2_sensitivity, l1_sensitivity: Delta_2 and Delta_1 of one client's rounded vector (scaled units).
+    """
+
+    q: float
+    variance: float
+    l2_sensitivity: float
+    l1_sensitivity: float
+
+    def __post_init__(self) -> None:
+        for name in ("q", "variance", "l2_sensitivity", "l1_sensitivity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"SkellamRound.{name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.q > 1 or self.l2_sensitivity <= 0 or self.l1_sensitivity <= 0:
+            raise ValueError(f"SkellamRound: need q <= 1 and positive sensitivities, got {self}")
+
+    @property
+    def neighboring_relation(self) -> dp_accounting.NeighboringRelation:
+        return dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """dp-accounting has no Skellam event: RDP is :meth:`rdp`; PLD and PRV cannot account it."""
+        return dp_accounting.UnsupportedDpEvent()
+
+    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
+        """RDP at each order (module docstring; ``inf`` at fractional orders and with no noise)."""
+        def curve(alpha: int) -> float:
+            return _skellam_rdp(alpha, self.variance, self.l2_sensitivity, self.l1_sensitivity)
+
+        out = []
+        for order in orders:
+            if not float(order).is_integer() or self.variance <= 0:
+                out.append(math.inf)
+                continue
+            alpha = int(order)
+            out.append(min(curve(alpha), poisson_subsampled_rdp(alpha, self.q, curve)))
+        return np.array(out, dtype=np.float64)
