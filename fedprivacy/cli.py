@@ -142,6 +142,8 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
 
     kinds = ["rdp", "prv", "pld"] if args.accountant == "all" else [args.accountant]
     orders = [float(o) for o in args.orders.split(",")] if args.orders else None
+    if args.skellam_dim is not None:
+        return _skellam_epsilon(args, kinds, orders)
     result = {
         "sampling": args.sampling, "q": args.q, "noise_multiplier": args.noise_multiplier,
         "steps": args.steps, "delta": args.delta, "population": args.population,
@@ -152,6 +154,32 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
     }
     if _scheduled(args):
         result.update(groups=args.groups, mechanism=args.mechanism)
+    print(json.dumps(result, indent=2, allow_nan=False))
+    return 0
+
+
+def _skellam_epsilon(args: argparse.Namespace, kinds: list[str], orders: list[float] | None) -> int:
+    """``epsilon`` of the distributed Skellam mechanism under secure aggregation: ``--steps`` rounds of a model of
+    ``--skellam-dim`` values, each with the shares of its survivors (``--survivors``, default all ``m``)."""
+    from fedprivacy.privacy.accounting import PrivacyLedger, epsilon, json_epsilon
+    from fedprivacy.privacy.skellam import SkellamParams
+
+    if args.sampling != "poisson" or args.expected_cohort is None:
+        raise ValueError("--skellam-dim needs --sampling poisson and --expected-cohort (the m shares of the noise)")
+    params = SkellamParams(dim=args.skellam_dim, clip_norm=args.clip_norm, noise_multiplier=args.noise_multiplier,
+                           expected_cohort=args.expected_cohort, bits=args.bits)
+    survivors = [int(n) for n in args.survivors.split(",")] if args.survivors else [args.expected_cohort]
+    if len(survivors) not in (1, args.steps) or not all(1 <= n for n in survivors):
+        raise ValueError(f"--survivors: one count >= 1, or one per step ({args.steps}), got {args.survivors!r}")
+    ledger = PrivacyLedger()
+    for step in range(args.steps):
+        ledger.compose(params.event(survivors[step if len(survivors) > 1 else 0], args.q))
+    result = {"mechanism": "skellam", "sampling": "poisson", "q": args.q, "noise_multiplier": args.noise_multiplier,
+              "steps": args.steps, "delta": args.delta, "dim": args.skellam_dim, "bits": args.bits,
+              "expected_cohort": args.expected_cohort, "survivors": survivors, "scale": params.scale,
+              "l2_sensitivity": params.l2_sensitivity, "l1_sensitivity": params.l1_sensitivity,
+              "epsilon": {k: json_epsilon(epsilon(ledger, args.delta, k, rdp_orders=orders))  # type: ignore[arg-type]
+                          for k in kinds}}
     print(json.dumps(result, indent=2, allow_nan=False))
     return 0
 
@@ -238,7 +266,7 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     check_run_device(cfg)  # the SuperNodes run here too
     try:
         summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, reproducible=args.reproducible,
-                               resume=args.resume,
+                               resume=args.resume, secure_aggregation=args.secure_aggregation,
                                timeout=args.timeout, on_supernode_exit=args.on_supernode_exit, echo=args.stream)
     except DeploymentError as err:
         print(f"fedprivacy: deployment failed: {err}", file=sys.stderr)
@@ -346,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accountant", choices=["rdp", "prv", "pld", "all"], default="all")
     p.add_argument("--population", type=int, help="N (required for --sampling fixed)")
     p.add_argument("--orders", help="comma-separated RDP orders (default: Opacus's)")
+    p.add_argument("--skellam-dim", type=int, help="account the distributed Skellam mechanism under secure "
+                   "aggregation (privacy.secure_aggregation) for a model of this many values (RDP only)")
+    p.add_argument("--bits", type=int, default=20, help="Skellam: the modulus bit width")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="Skellam: C (the scale depends on it)")
+    p.add_argument("--expected-cohort", type=int, help="Skellam: m, the shares that make up the planned noise")
+    p.add_argument("--survivors", help="Skellam: clients whose share reached the server, one count for every step "
+                   "or a comma-separated count per step (default: m)")
     p.set_defaults(func=_cmd_epsilon)
 
     p = sub.add_parser("calibrate", help="noise multiplier for a budget (--steps), or the steps a noise "
@@ -376,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed the server's noise and cohort from the config's seed (default: the OS's "
                         "cryptographic source; the SuperNodes' noise is always secret)")
     d.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
+    d.add_argument("--secure-aggregation", action="store_true",
+                   help="SecAgg+ with distributed Skellam noise: placement distributed, the config's "
+                        "privacy.secure_aggregation or threshold/neighbours sized for the cohort (docs/DEPLOYMENT.md)")
     d.add_argument("--timeout", type=float, help="abort (and shut everything down) after this many seconds")
     d.add_argument("--on-supernode-exit", choices=["continue", "restart", "abort"], default="continue",
                    help="a SuperNode that exits: its client drops out (continue), it is restarted and rejoins, "

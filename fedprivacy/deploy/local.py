@@ -49,6 +49,7 @@ import contextlib
 import csv
 import ctypes
 import json
+import math
 import logging
 import os
 import shlex
@@ -257,7 +258,16 @@ def _port_open(host: str, port: int) -> bool:
 
 
 # -- configuration --------------------------------------------------------------------------------
-def deployment_config(cfg: RunConfig, supernodes: int | None, population: int, reproducible: bool = False) -> RunConfig:
+def secure_aggregation_defaults(cohort: int) -> dict[str, int]:
+    """SecAgg+ sized for an expected cohort of ``cohort``: ``k`` = the cohort (odd, at most 7, at least 3)
+    neighbours, threshold ``t = ceil(2k/3)`` (at least 2): a round completes while a third of a neighbourhood
+    drops, and fewer than ``t`` colluding clients learn nothing of a neighbour's share."""
+    k = max(3, min(7, cohort if cohort % 2 else cohort - 1))
+    return {"neighbours": k, "threshold": max(2, math.ceil(2 * k / 3))}
+
+
+def deployment_config(cfg: RunConfig, supernodes: int | None, population: int, reproducible: bool = False,
+                      secure_aggregation: bool = False) -> RunConfig:
     """The config the deployment runs: population = number of SuperNodes (the first N users),
     absolute paths (the apps run in other working directories), and the server's noise and cohort
     from the OS's cryptographic source (``privacy.secure_noise``) unless ``reproducible`` (a seeded
@@ -276,6 +286,10 @@ def deployment_config(cfg: RunConfig, supernodes: int | None, population: int, r
     tree["data"]["path"] = str(Path(cfg.data.path).resolve())
     if not reproducible:
         tree["privacy"]["secure_noise"] = True
+    if secure_aggregation:  # the server sees only the masked uploads' sum; RDP is the Skellam accountant
+        tree["privacy"].update(placement="distributed", budget_accountant="rdp", accountants=["rdp"])
+        if tree["privacy"].get("secure_aggregation") is None:
+            tree["privacy"]["secure_aggregation"] = secure_aggregation_defaults(cfg.privacy.expected_cohort)
     if n < population:
         log.info("deployment population: %d SuperNodes = the first %d of %d users (data.max_clients=%d)",
                  n, n, population, n)
@@ -545,7 +559,7 @@ def _progress_line(row: dict[str, str]) -> str:
 
 
 def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool = True, reproducible: bool = False,
-                 resume: bool = False,
+                 resume: bool = False, secure_aggregation: bool = False,
                  timeout: float | None = None, on_supernode_exit: SupernodePolicy = "continue", echo: bool = False,
                  on_round: RoundHook | None = None, printer: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``cfg`` on a local deployment with ``supernodes`` SuperNodes; return the run's summary.
@@ -553,7 +567,8 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     ``on_supernode_exit`` says what happens when a SuperNode process exits on its own: ``continue``
     (its clients are dropouts until it is restarted), ``restart`` (start it again; it rejoins with the
     same node id) or ``abort`` (stop the deployment). The SuperLink exiting always aborts.
-    ``reproducible`` keeps the server's noise and cohort seeded (see :func:`deployment_config`).
+    ``reproducible`` keeps the server's noise and cohort seeded, ``secure_aggregation`` runs SecAgg+ with
+    distributed Skellam noise (see :func:`deployment_config`).
     ``on_round(deployment, row)`` is called after each round's metrics row appears (tests use it to
     kill and restart SuperNodes).
     """
@@ -562,7 +577,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
 
     ensure_data(cfg.data)
     population = load_task(cfg.data).population
-    run_cfg = deployment_config(cfg, supernodes, population, reproducible)
+    run_cfg = deployment_config(cfg, supernodes, population, reproducible, secure_aggregation)
     out = Path(run_cfg.output_dir)
     if (out / CHECKPOINT).exists() and not resume:
         raise RunExistsError(f"{out} already holds a run ({CHECKPOINT}); pass --resume to continue it "

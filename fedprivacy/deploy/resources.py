@@ -67,10 +67,14 @@ def resource_mod(msg: Message, context: Context, call_next: ClientAppCallable) -
     if path:
         try:
             config = msg.content.config_records.get("config") if msg.has_content() else None
+            secagg = msg.content.config_records.get("secagg") if msg.has_content() else None
+            if config is None and secagg is not None:  # a SecAgg+ stage without the model: its round
+                config = {"server-round": secagg["round"]}
             row = {
                 "partition": int(context.node_config.get("partition-id", -1)),
                 "node_id": context.node_id,
                 "message_type": msg.metadata.message_type,
+                "stage": str(secagg["stage"]) if secagg is not None and "stage" in secagg else "",
                 "round": int(config["server-round"]) if config is not None and "server-round" in config else 0,
                 "seconds": seconds,
                 "cpu_seconds": cpu,
@@ -102,7 +106,7 @@ class MeasuredClientApp(ClientApp):
 
 def collect(log_dir: Path, output_dir: Path) -> dict[str, Any]:
     """Merge the SuperNodes' resource logs into ``output_dir/resources.csv`` and return (and write)
-    a per-client summary of the training rounds (``message_type == "train"``)."""
+    a per-client summary of the training rounds (``message_type == "train"``, the calls of one round summed)."""
     import pandas as pd
 
     rows = []
@@ -118,7 +122,11 @@ def collect(log_dir: Path, output_dir: Path) -> dict[str, Any]:
     else:
         df = pd.DataFrame(rows).sort_values(["partition", "round", "time"])
         df.to_csv(output_dir / RESOURCES_CSV, index=False)
-        train = df[df["message_type"] == "train"]
+        # one row per client and round: a SecAgg+ round's four stage calls (column ``stage``) add up
+        train = df[df["message_type"] == "train"].groupby(["partition", "round"], as_index=False).agg(
+            seconds=("seconds", "sum"), peak_rss_bytes=("peak_rss_bytes", "max"),
+            rss_before_bytes=("rss_before_bytes", "max"), bytes_down=("bytes_down", "sum"),
+            bytes_up=("bytes_up", "sum"), failed=("failed", "sum"))
         clients = {}
         for partition, g in train.groupby("partition"):
             clients[str(partition)] = {

@@ -99,6 +99,12 @@ class SecureAggregation:
                              f"{self.neighbours}")
 
 
+def _record(values: Mapping[str, Any]) -> ConfigRecord:
+    """A ``ConfigRecord`` of ``values`` without their empty lists (readers take a missing key as empty; Flower's
+    ``count_bytes`` fails on an empty list)."""
+    return ConfigRecord({k: v for k, v in values.items() if not (isinstance(v, list) and not v)})
+
+
 def prg_mask(seed: bytes, size: int, bits: int) -> np.ndarray:
     """``size`` values uniform in ``[0, 2^bits)`` (uint32) from AES-256-CTR keyed with SHA-256 of ``seed``."""
     key = hashlib.sha256(seed).digest()
@@ -201,8 +207,8 @@ class SecAggRound:
     def collect_content(self, node: int) -> ConfigRecord:
         """The ``secagg`` record of ``node``'s ``collect`` message: its neighbours' ciphertexts, the rotation seed."""
         pairs = [(src, text) for src, text in self.forwarded[node] if src in self.shared]
-        return ConfigRecord({"stage": "collect", "round": self.round, "rotation-seed": self.rotation_seed,
-                             "sources": [s for s, _ in pairs], "ciphertexts": [t for _, t in pairs]})
+        return _record({"stage": "collect", "round": self.round, "rotation-seed": self.rotation_seed,
+                        "sources": [s for s, _ in pairs], "ciphertexts": [t for _, t in pairs]})
 
     def unmask(self, survivors: list[int], size: int) -> np.ndarray:
         """The sum of the masks in the survivors' uploads (uint32, mod 2^bits), rebuilt from their shares."""
@@ -213,7 +219,7 @@ class SecAggRound:
 
         def lists(node: int) -> ConfigRecord:
             near = set(self.neighbours[node]) - {node}
-            return ConfigRecord({"active": sorted(near & alive | {node}), "dropped": sorted(near & dropped)})
+            return _record({"active": sorted(near & alive | {node}), "dropped": sorted(near & dropped)})
 
         shares: dict[int, list[bytes]] = {n: [] for n in self.shared}
         for reply in self._exchange("unmask", lists, survivors).values():
@@ -302,10 +308,10 @@ def handle(msg: Message, context: Context, settings: ClientSettings,
     else:
         out = _unmask(state, config)
         del context.state.config_records[STATE]  # the round is over: no secret outlives it
-        return Message(RecordDict({SECAGG: ConfigRecord(out)}), reply_to=msg)
+        return Message(RecordDict({SECAGG: _record(out)}), reply_to=msg)
     state["stage"] = stage
     _save(context, state)
-    return Message(RecordDict({SECAGG: ConfigRecord(out)}), reply_to=msg)
+    return Message(RecordDict({SECAGG: _record(out)}), reply_to=msg)
 
 
 def _share_keys(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:

@@ -226,6 +226,16 @@ class DPFedAvgServer:
                                 "aggregation, and holds only in rounds whose server_noise_std top-up is 0)",
                  "local": "noise added by each client to its own upload (per-client local epsilon in "
                           "client_privacy.csv)"}[p.placement]
+        sa = p.secure_aggregation
+        if sa is not None:
+            where = (f"Skellam noise shares added by the clients and summed under SecAgg+ (threshold {sa.threshold} of "
+                     f"{sa.neighbours} neighbours, modulus 2^{sa.bits}): the server sees each client's upload only "
+                     "masked (uniform mod 2^bits) and learns only the sum of the survivors' noisy shares; it cannot see "
+                     "any single update, norm or training loss. Holds against an honest-but-curious server colluding "
+                     f"with fewer than {sa.threshold} clients of a neighbourhood; each round is accounted with the noise "
+                     "its surviving clients actually added (RDP of the Skellam mechanism, no top-up). Not covered: a "
+                     "malicious server lying about dropouts to a majority of a neighbourhood, or a server that "
+                     "distributes a config with less noise (the clients take z, C and m from the run config)")
         records = ("; clients train with sample-level DP (record-level epsilon of each client, at its own delta, "
                    "in client_privacy.csv)" if self.cfg.client.sample_dp is not None else "")
         side = ("; AdaDPS side information built from public inputs only (provenance in side_information.json)"

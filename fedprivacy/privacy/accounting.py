@@ -105,7 +105,10 @@ _REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    try:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    except OverflowError:  # an int beyond float's range (valid JSON)
+        return False
 
 
 def _is_int(x: Any, minimum: int) -> bool:

@@ -115,7 +115,8 @@ class SkellamParams:
         noise_multiplier: z: the total noise variance at ``expected_cohort`` shares is ``(z C s)^2`` (scaled units).
         expected_cohort: m: the shares that make up the planned noise, and the cohort the headroom is sized for.
         bits: b: uploads and sums live modulo ``2^b``.
-        k_stddevs: headroom of the modulus, in standard deviations of the sum.
+        k_stddevs: headroom of the modulus, in standard deviations of the sum (4: a coordinate of a sum as large as
+            planned wraps with probability about 6e-5; TFF's default ``modclip_prob=1e-4`` is about 3.9).
         beta: the conditional rounding's parameter.
     """
 
@@ -124,7 +125,7 @@ class SkellamParams:
     noise_multiplier: float
     expected_cohort: int
     bits: int
-    k_stddevs: float = 3.0
+    k_stddevs: float = 4.0
     beta: float = BETA
 
     def __post_init__(self) -> None:
@@ -132,9 +133,10 @@ class SkellamParams:
             raise ValueError(f"bits must be an integer in [{MIN_BITS}, {MAX_BITS}], got {self.bits!r}")
         if self.dim < 1 or self.expected_cohort < 1:
             raise ValueError(f"dim and expected_cohort must be >= 1, got {self.dim}, {self.expected_cohort}")
-        if not (self.clip_norm > 0 and self.noise_multiplier >= 0 and self.k_stddevs > 0 and 0 <= self.beta < 1):
-            raise ValueError(f"need clip_norm > 0, noise_multiplier >= 0, k_stddevs > 0, 0 <= beta < 1; got "
-                             f"{self.clip_norm}, {self.noise_multiplier}, {self.k_stddevs}, {self.beta}")
+        for name, ok in (("clip_norm", 1e-30 < self.clip_norm < 1e30), ("noise_multiplier", 0 <= self.noise_multiplier < 1e6),
+                         ("k_stddevs", 0 < self.k_stddevs < 1e6), ("beta", 0 <= self.beta < 1)):
+            if not ok:
+                raise ValueError(f"SkellamParams.{name} out of range: {getattr(self, name)!r}")
         half_range = 2.0 ** (self.bits - 1) / self.k_stddevs
         if half_range ** 2 <= self.expected_cohort / 4:
             raise ValueError(f"bits={self.bits} cannot hold the rounding of {self.expected_cohort} clients with "
@@ -190,6 +192,8 @@ class SkellamParams:
     def encode(self, update: torch.Tensor, rotation_seed: int, rng: np.random.Generator) -> np.ndarray:
         """A client's share: clip, rotate, scale, round conditionally, add ``Sk(mu/m)``, wrap (uint32, length D)."""
         x = update.detach().to(torch.float64).flatten()
+        if x.numel() != self.dim:
+            raise ValueError(f"the update has {x.numel()} values, the mechanism was set up for {self.dim}")
         norm = float(torch.linalg.vector_norm(x))
         if not math.isfinite(norm):
             raise ValueError("the update holds NaN or Inf values")
@@ -211,8 +215,9 @@ class SkellamParams:
     def rounding_error_bound(self, clients: int) -> float:
         """An upper bound on the L2 distance between the decoded sum and the exact sum of ``clients`` clipped
         updates, at z = 0 without wrap-around: each rounded coordinate is within 1 of its value, so the scaled
-        error is below ``clients sqrt(D)``, and the rotation back is orthogonal."""
-        return clients * math.sqrt(self.padded_dim) / self.scale
+        error is below ``clients sqrt(D)``, and the rotation back is orthogonal; plus the float32 rounding of the
+        decoded sum (of norm at most ``clients C``: relative 2^-24 per value, 2^-23 with margin)."""
+        return clients * math.sqrt(self.padded_dim) / self.scale + clients * self.clip_norm * 2.0 ** -23
 
 
 def conditional_rounding(y: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
@@ -269,6 +274,13 @@ def _log_comb(n: int, k: int) -> float:
     return float(special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1))
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
 @register_event
 @dataclasses.dataclass(frozen=True)
 class SkellamRound:
@@ -288,7 +300,7 @@ class SkellamRound:
     def __post_init__(self) -> None:
         for name in ("q", "variance", "l2_sensitivity", "l1_sensitivity"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value < 0:
                 raise ValueError(f"SkellamRound.{name} must be a finite number >= 0, got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.q > 1 or self.l2_sensitivity <= 0 or self.l1_sensitivity <= 0:
