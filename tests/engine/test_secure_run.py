@@ -1,21 +1,70 @@
-"""Secure aggregation with distributed Skellam noise in a run (issue "Secure aggregation", items 1, 2, 4)."""
+"""Secure aggregation with distributed Skellam noise through ``fedprivacy run`` and the config (issue "Secure
+aggregation", items 2 and 3): every release is a Skellam round of the survivors' shares, ``fedprivacy epsilon``
+gives the run's epsilon, the summary says what the server sees, and the settings it cannot account are refused
+naming the field."""
 
 import csv
+import io
+import json
+from contextlib import redirect_stdout
 
-import numpy as np
 import pytest
-import torch
 
+from fedprivacy.cli import main as cli
+from fedprivacy.config import ConfigError
+from fedprivacy.deploy.local import deployment_config, secure_aggregation_defaults
+from fedprivacy.privacy.release_log import ReleaseLog
+from fedprivacy.privacy.skellam import SkellamRound
 from fedprivacy.run import run
 
 SECAGG = ("privacy.placement=distributed", "privacy.secure_aggregation.threshold=3",
           "privacy.secure_aggregation.neighbours=5", "privacy.accountants=[rdp]")
 
 
-def test_a_secure_run_releases_and_accounts_skellam_rounds(small_config):
+def test_a_secure_run_accounts_skellam_rounds_as_fedprivacy_epsilon_does(small_config):
     cfg = small_config("rounds=2", *SECAGG)
     summary = run(cfg)
     with open(cfg.output_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    print(rows)
-    assert summary["releases"] == 2
+    events = [entry["event"] for entry in ReleaseLog(cfg.output_dir).entries]
+    assert summary["releases"] == 2 and all(isinstance(e, SkellamRound) for e in events)
+    survivors = [int(float(r["secagg_survivors"])) for r in rows]
+    assert [float(r["server_noise_std"]) for r in rows] == [0.0, 0.0]  # the server adds nothing
+    assert "SecAgg+" in summary["privacy_claim"] and "masked" in summary["privacy_claim"]
+    q = cfg.privacy.expected_cohort / summary["population"]
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        assert cli(["epsilon", "--sampling", "poisson", "--q", str(q), "--noise-multiplier",
+                    str(cfg.privacy.noise_multiplier), "--steps", "2", "--delta", str(summary["delta"]),
+                    "--skellam-dim", "100050", "--bits", "20", "--clip-norm", "1.0",
+                    "--expected-cohort", str(cfg.privacy.expected_cohort),
+                    "--survivors", ",".join(map(str, survivors))]) == 0
+    out = json.loads(buffer.getvalue())
+    assert out["epsilon"]["rdp"] == pytest.approx(summary["epsilon_rdp"], rel=1e-12)
+    assert out["epsilon"]["pld"] is None and out["epsilon"]["prv"] is None  # they do not model Skellam noise
+
+
+@pytest.mark.parametrize("override, field", [
+    ("privacy.placement=central", "privacy.placement"),
+    ("privacy.sampling=fixed", "privacy.sampling"),
+    ("privacy.budget_accountant=pld", "privacy.budget_accountant"),
+    ("privacy.secure_aggregation.threshold=7", "threshold"),
+    ("privacy.secure_aggregation.neighbours=4", "neighbours"),
+    ("privacy.secure_aggregation.bits=40", "bits"),
+    ("client.compression.density=0.1", "client.compression"),
+    ("processes=2", "processes"),
+])
+def test_settings_secure_aggregation_cannot_account_are_refused_naming_the_field(small_config, override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        small_config(*SECAGG, "privacy.accountants=[rdp, pld]", override)
+
+
+def test_deploy_secure_aggregation_sets_distributed_placement_rdp_and_a_neighbourhood_for_the_cohort(small_config):
+    cfg = small_config("privacy.expected_cohort=5")
+    deployed = deployment_config(cfg, 10, 20, secure_aggregation=True)
+    p = deployed.privacy
+    assert p.placement == "distributed" and p.budget_accountant == "rdp" and p.accountants == ("rdp",)
+    assert (p.secure_aggregation.threshold, p.secure_aggregation.neighbours) == (4, 5)
+    assert [secure_aggregation_defaults(m) for m in (2, 3, 6, 50)] == [
+        {"neighbours": 3, "threshold": 2}, {"neighbours": 3, "threshold": 2}, {"neighbours": 5, "threshold": 4},
+        {"neighbours": 7, "threshold": 5}]
