@@ -56,6 +56,7 @@ from flwr.supercore.primitives.asymmetric import (bytes_to_private_key, bytes_to
                                                   private_key_to_bytes, public_key_to_bytes)
 
 from fedprivacy.fl.records import _contract_view, arrays_to_record, reply_to_update, record_to_layout
+from fedprivacy.privacy.skellam import SkellamParams, client_rng
 from fedprivacy.updates import RejectedUpdate
 
 
@@ -364,7 +365,6 @@ def _collect(msg: Message, context: Context, state: dict[str, Any], config: Mapp
     reply = train(msg, context)
     if reply.has_error():
         return reply
-    from fedprivacy.privacy.skellam import SkellamParams, client_rng  # here: its accounting event needs dp-accounting
 
     start, layout = record_to_layout(msg.content.array_records["arrays"])
     update = reply_to_update(reply.content, start, layout).to_dense()

@@ -16,7 +16,8 @@ from fedprivacy.engines.inprocess import InProcessGrid
 from fedprivacy.fl import secure_aggregation as secagg
 from fedprivacy.fl.secure_aggregation import SECAGG, SecureAggregation, secure_aggregation_mod
 from fedprivacy.fl.strategy import DPFedAvg
-from fedprivacy.privacy.skellam import SkellamParams, SkellamRound
+from fedprivacy.privacy.skellam import SkellamParams
+from fedprivacy.privacy.skellam_accounting import SkellamRound
 
 from test_strategy import _flat, _model, _plain_client_app  # this folder is on sys.path (pytest's rootdir mode)
 

@@ -14,7 +14,7 @@ from fedprivacy.cli import main as cli
 from fedprivacy.config import ConfigError
 from fedprivacy.deploy.local import deployment_config, secure_aggregation_defaults
 from fedprivacy.privacy.release_log import ReleaseLog
-from fedprivacy.privacy.skellam import SkellamRound
+from fedprivacy.privacy.skellam_accounting import SkellamRound
 from fedprivacy.run import run
 
 SECAGG = ("privacy.placement=distributed", "privacy.secure_aggregation.threshold=3",

@@ -16,15 +16,14 @@ from scipy.linalg import hadamard
 
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.events import event_from_dict, event_to_dict
+from fedprivacy.privacy.skellam_accounting import SkellamRound, poisson_subsampled_rdp
 from fedprivacy.privacy.skellam import (
     BETA,
     SkellamParams,
-    SkellamRound,
     _fwht_,
     _signs,
     client_rng,
     conditional_rounding,
-    poisson_subsampled_rdp,
     rotate,
     rounded_l2_bound,
     unrotate,
