@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 MUTATIONS = [
- ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.event_at)\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
+ ("fedprivacy/privacy/mechanism.py", "        log.check(self.ledger, self.could_log)\n", "", "tests/engine/test_release_log_damage.py -k damaged"),
  ("fedprivacy/privacy/client_ledgers.py", "        if record_level:\n            try:", "        if True:\n            try:", "tests/engine/test_strategy.py -k without_record_level"),
  ("fedprivacy/privacy/client_ledgers.py", "    z = 0.0 if z < MIN_NOISE_MULTIPLIER else min(z, MAX_NOISE_MULTIPLIER)\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),
  ("fedprivacy/privacy/client_ledgers.py", "    batch = min(max(batch, MIN_CLIENT_SAMPLING_RATE * population), population) if batch > 0 else 0.0\n", "", "tests/engine/test_strategy.py -k extreme_but_valid"),

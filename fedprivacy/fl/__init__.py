@@ -1,6 +1,7 @@
 """Flower's layer: fedprivacy's ServerApp and ClientApp, and what any Flower app can use (imported on first use):
 the DP strategy :class:`DPFedAvg`, the client mods :func:`client_noise_mod` and :func:`topk_uplink_mod`, and
-:func:`make_record_dp` for record-level DP in a ClientApp."""
+:func:`make_record_dp` for record-level DP in a ClientApp, and SecAgg+ with distributed Skellam noise
+(:class:`SecureAggregation`, :func:`secure_aggregation_mod`)."""
 
 from typing import TYPE_CHECKING
 
@@ -9,13 +10,16 @@ from fedprivacy.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from fedprivacy.fl.mods import client_noise_mod, topk_uplink_mod
     from fedprivacy.fl.record_dp import make_record_dp
+    from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
 
-__all__ = ["DPFedAvg", "client_noise_mod", "make_record_dp", "topk_uplink_mod"]
+__all__ = ["DPFedAvg", "client_noise_mod", "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "topk_uplink_mod"]
 
 __getattr__ = lazy_exports(__name__, {
     "DPFedAvg": "fedprivacy.fl.strategy",
     "client_noise_mod": "fedprivacy.fl.mods",
     "make_record_dp": "fedprivacy.fl.record_dp",
+    "SecureAggregation": "fedprivacy.fl.secure_aggregation",
+    "secure_aggregation_mod": "fedprivacy.fl.secure_aggregation",
     "topk_uplink_mod": "fedprivacy.fl.mods",
 })

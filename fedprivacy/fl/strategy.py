@@ -432,6 +432,8 @@ class DPFedAvg(Strategy):
         if arrays is not self._record:
             self.params, self.layout = record_to_layout(arrays, self.device)
             self._record = arrays
+            if isinstance(self.mechanism, SkellamMechanism):  # its scale and sensitivities depend on d
+                self.mechanism.dim = self.params.numel()
 
     def use_population(self, nodes: Sequence[int], labels: Sequence[int] | None = None) -> None:
         """Sample over ``nodes`` (in this order) instead of the registered nodes' sorted ids; ``labels``:

@@ -54,7 +54,9 @@ class StrategyState:
         if not isinstance(state, dict) or state.get("version") != _VERSION:
             raise ResumeError(f"{self.path} is not a DPFedAvg state (version {_VERSION})")
         saved = state["settings"]
-        changed = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+        # over both sides' keys: a setting written only when not its default (groups, secure_aggregation) that
+        # one side lacks changed too
+        changed = {k: (saved.get(k), settings.get(k)) for k in {**saved, **settings} if saved.get(k) != settings.get(k)}
         if changed:
             raise ResumeError(f"DPFedAvg(state_dir={str(self.dir)!r}) holds a run started with other settings: "
                               + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())

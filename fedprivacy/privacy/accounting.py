@@ -84,6 +84,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from fedprivacy.privacy.bounds import (EPSILON_CEILING, MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER,
                                        MIN_SAMPLING_RATE)
 from fedprivacy.privacy.events import AccountedEvent, event_from_dict, event_to_dict, is_registered, register_event
+from fedprivacy.privacy.skellam_accounting import SkellamRound  # noqa: F401  (registers it: any ledger may hold it)
 
 log = logging.getLogger(__name__)
 

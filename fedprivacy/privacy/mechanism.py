@@ -193,6 +193,11 @@ class GaussianMechanism:
                                  population=self.claim_population, expected_cohort=float(self.noise_cohort)))
         return self.noise.event(sampled, self.stream_release(release))
 
+    def could_log(self, release: int, event: AccountedEvent) -> bool:
+        """Whether this run could have logged ``event`` for release ``release`` (a resume's check of its release
+        log): exactly :meth:`event_at`, unless the event depends on who answered (:meth:`release_event`)."""
+        return event == self.event_at(release)
+
     def stream_release(self, release: int) -> int:
         """The noise stream's number for release ``release`` (its releases count from 1 since it was built)."""
         return release - self.stream_start + 1
@@ -267,7 +272,7 @@ class GaussianMechanism:
             ValueError: the log cannot be the record of this run's releases (it holds fewer than the
                 ledger, or an event other than the ledger's or this mechanism's; :meth:`ReleaseLog.check`).
         """
-        log.check(self.ledger, self.event_at)
+        log.check(self.ledger, self.could_log)
         self.release_log = log
         lost = log.lost_since(self.ledger)
         if lost:

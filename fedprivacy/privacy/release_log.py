@@ -120,9 +120,10 @@ class ReleaseLog:
                 raise ValueError(f"{self.path}: release {entry['release']} follows release {before['release']}")
         return entries
 
-    def check(self, ledger: PrivacyLedger, event_at: Callable[[int], AccountedEvent]) -> None:
-        """Refuse a log that cannot be the record of the run whose checkpointed ``ledger`` it extends and whose
-        release ``k`` is ``event_at(k)`` (module docstring: damage is refused, never read as fewer releases).
+    def check(self, ledger: PrivacyLedger, accepts: Callable[[int, AccountedEvent], bool]) -> None:
+        """Refuse a log that cannot be the record of the run whose checkpointed ``ledger`` it extends and which
+        could have made release ``k`` as the logged event ``e`` when ``accepts(k, e)`` (module docstring: damage
+        is refused, never read as fewer releases).
 
         Raises:
             ValueError: naming the file and what is wrong.
@@ -135,10 +136,13 @@ class ReleaseLog:
         expected = [rnd for rnd, count in ledger.entries for _ in range(count)]
         for entry in self.entries:
             position = entry["release"]
-            want = expected[position - 1] if position <= len(expected) else event_at(position)
-            if entry["event"] != want:
+            if position <= len(expected):
+                ok, want = entry["event"] == expected[position - 1], f"the checkpoint holds {event_to_dict(expected[position - 1])}"
+            else:
+                ok, want = accepts(position, entry["event"]), "this run cannot have made it there"
+            if not ok:
                 raise ValueError(f"{self.path}: release {position} logs the event {event_to_dict(entry['event'])}, "
-                                 f"but this run accounts {event_to_dict(want)} there; refusing a log of other releases")
+                                 f"but {want}; refusing a log of other releases")
 
     def lost_since(self, ledger: PrivacyLedger) -> list[AccountedEvent]:
         """The events of releases made after ``ledger`` was checkpointed (it holds releases 1..``ledger.rounds``)."""

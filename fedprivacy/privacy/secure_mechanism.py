@@ -24,6 +24,7 @@ from fedprivacy.privacy.events import AccountedEvent
 from fedprivacy.privacy.mechanism import GaussianMechanism, Release
 from fedprivacy.privacy.noise import GaussianNoise, NoiseStream
 from fedprivacy.privacy.skellam import SkellamParams
+from fedprivacy.privacy.skellam_accounting import SkellamRound
 
 
 class SecureSum(PrivateSum):
@@ -99,6 +100,16 @@ class SkellamMechanism(GaussianMechanism):
         """The noise the survivors actually added: ``len(survivors)`` shares."""
         assert isinstance(agg, SecureSum)
         return agg.params.event(len(agg.survivors), self.expected_cohort / self.population)
+
+    def could_log(self, release: int, event: AccountedEvent) -> bool:
+        """A Skellam round of this mechanism with any number ``1..population`` of surviving shares."""
+        if not isinstance(event, SkellamRound) or self.dim is None:
+            return False
+        planned = self.params().event(1, self.expected_cohort / self.population)
+        shares = event.variance / planned.variance if planned.variance > 0 else 1.0
+        return (round(shares) >= 1 and round(shares) <= self.population and abs(shares - round(shares)) < 1e-9
+                and (event.q, event.l2_sensitivity, event.l1_sensitivity)
+                == (planned.q, planned.l2_sensitivity, planned.l1_sensitivity))
 
     def aggregator(self, dim: int) -> SecureSum:
         self.dim = dim

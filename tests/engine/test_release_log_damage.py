@@ -111,7 +111,7 @@ def test_any_release_log_is_read_or_refused_naming_the_file_never_a_crash(tmp_pa
     event = GaussianRound(**_EVENT)
     try:
         log = ReleaseLog(tmp_path)
-        log.check(PrivacyLedger([(event, ledger_rounds)] if ledger_rounds else []), lambda k: event)
+        log.check(PrivacyLedger([(event, ledger_rounds)] if ledger_rounds else []), lambda k, e: e == event)
     except ValueError as err:
         assert RELEASES in str(err)
         return

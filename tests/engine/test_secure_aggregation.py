@@ -206,3 +206,27 @@ def test_secure_aggregation_refuses_the_settings_it_cannot_account():
     for threshold, neighbours in ((1, 5), (6, 5), (3, 4)):
         with pytest.raises(ValueError, match="threshold|neighbours"):
             SecureAggregation(threshold=threshold, neighbours=neighbours)
+
+
+def test_a_crash_after_a_logged_release_with_a_dropout_resumes_with_that_release_accounted(tmp_path):
+    """The release log holds a Skellam round of 5 survivors the checkpoint does not: the resume accepts it (a round
+    of this mechanism with fewer shares) and accounts it; a log of another mechanism's round is refused."""
+    rounds_seen = [0]
+
+    def counting(partition, stage):  # node 2 drops at collect in the second round this client app sees
+        if stage == "setup" and partition == 0:
+            rounds_seen[0] += 1
+        return partition == 2 and stage == "collect" and rounds_seen[0] == 2
+
+    _run(_strategy(z=1.0, state_dir=tmp_path), _client(counting), rounds=1)
+    after_round_1 = (tmp_path / "strategy.pt").read_bytes()
+    _run(_strategy(z=1.0, state_dir=tmp_path), _client(counting), rounds=2)
+    (tmp_path / "strategy.pt").write_bytes(after_round_1)  # a crash after release 2 was logged, before its checkpoint
+    resumed = _strategy(z=1.0, state_dir=tmp_path)
+    _run(resumed, _client(), rounds=3)
+    shares = [round(e.variance / resumed.mechanism.params().share_variance)
+              for e, n in resumed.mechanism.ledger.entries for _ in range(n)]
+    assert shares == [N, N - 1, N, N]  # release 2 (5 survivors) accounted; round 2 ran again as release 3
+    with pytest.raises(Exception, match="secure_aggregation"):  # another mechanism on this state is refused
+        DPFedAvg(noise_multiplier=1.0, clip_norm=C, expected_cohort=N, population=N, placement="distributed",
+                 state_dir=tmp_path)
