@@ -1,4 +1,4 @@
-"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam and correlated-noise privacy claims: each fix is broken in turn and
+"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam, correlated-noise and secure-aggregation privacy claims: each fix is broken in turn and
 the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
 (about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
 
@@ -32,6 +32,14 @@ MUTATIONS = [
  ("fedprivacy/privacy/mechanism.py", "            self.stream_start = self.next_release\n", "            pass\n", "tests/engine/test_correlated_run.py -k from_the_os"),
  ("fedprivacy/privacy/sampling.py", "np.arange((release - 1) % self.groups, self.population, self.groups)", "np.arange(0, self.population, self.groups)", "tests/privacy/test_correlated_noise.py -k b_apart"),
  ("fedprivacy/fl/client_app.py", "        metrics = {}  # nothing but the noisy upload and the events leaves the client\n", "", "tests/engine/test_one_client_path.py -k distributed"),
+ # secure aggregation with distributed Skellam noise
+ ("fedprivacy/privacy/secure_mechanism.py", "agg.params.event(len(agg.survivors),", "agg.params.event(self.expected_cohort,", "tests/engine/test_secure_aggregation.py -k dropping"),
+ ("fedprivacy/privacy/skellam.py", "            rounded += rng.poisson(lam, size=rounded.size) - rng.poisson(lam, size=rounded.size)\n", "", "tests/engine/test_secure_aggregation.py -k noise_std"),
+ ("fedprivacy/privacy/skellam.py", "<= bound * bound:", "<= math.inf:", "tests/privacy/test_skellam.py -k binding_bound"),
+ ("fedprivacy/privacy/skellam.py", " - m / 4) / spread)", ") / spread)", "tests/privacy/test_skellam.py -k scale_is_the_largest"),
+ ("fedprivacy/privacy/skellam_accounting.py", "        weights.append(3.0)", "        weights.append(1.0)", "tests/privacy/test_skellam.py -k poisson_subsampled"),
+ ("fedprivacy/fl/secure_aggregation.py", "        masked += pair if nid > j else -pair", "        masked += pair", "tests/engine/test_secure_aggregation.py -k shares_sum_exactly"),
+ ("fedprivacy/fl/secure_aggregation.py", "    if set(active) & set(dropped) or not", "    if not", "tests/engine/test_secure_aggregation.py -k reveal_both"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)
