@@ -41,7 +41,7 @@ from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
 from fedprivacy.outputs import RunOutputs
-from fedprivacy.privacy.accounting import epsilon
+from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier, solve_noise_multiplier
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory, planned_ledger
@@ -121,20 +121,37 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                    p.secure_aggregation.timeout_s))
 
 
-def resolve_noise_multiplier(cfg: RunConfig, population: int) -> RunConfig:
+def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = None) -> RunConfig:
     """``privacy.noise_multiplier: auto`` replaced by its calibrated value (any other config unchanged).
 
     z is :func:`~fedprivacy.privacy.calibration.calibrate_noise_multiplier` for ``target_epsilon``
     after ``rounds`` rounds of exactly the events this server will account (its sampling, the claim's
     population and cohort, ``delta`` or 1 / population, ``budget_accountant``), so the budget check
-    never stops the run early and the final epsilon is within 1% below the target.
+    never stops the run early and the final epsilon is within 1% below the target. Under secure aggregation:
+    the Skellam rounds (RDP) of a model of ``dim`` values with ``threshold`` shares, the fewest a round can
+    complete with, which is what the budget check assumes of the next round (so the run never exceeds the
+    target whoever drops out); rounds where more survive spend less.
     """
     p = cfg.privacy
     if p.noise_multiplier != "auto":
         return cfg
     claim_population = p.noise_population or population
     delta = p.delta if p.delta is not None else 1.0 / claim_population
-    if p.sampling in ("poisson", "fixed") and p.mechanism.kind == "independent":
+    if p.secure_aggregation is not None:  # Skellam rounds of a model of ``dim`` values, as few shares as can release
+        from fedprivacy.privacy.skellam import SkellamParams
+
+        assert dim is not None, "secure aggregation calibrates on the model's size"
+        sa = p.secure_aggregation
+
+        def skellam_eps(z: float) -> float:
+            params = SkellamParams(dim=dim, clip_norm=p.clip_norm, noise_multiplier=z,
+                                   expected_cohort=p.expected_cohort, bits=sa.bits)
+            planned = PrivacyLedger([(params.event(sa.threshold, p.expected_cohort / population), cfg.rounds)])
+            value = epsilon(planned, delta, "rdp")
+            assert value is not None
+            return value
+        z = solve_noise_multiplier(skellam_eps, p.target_epsilon, accountant="rdp", delta=delta)
+    elif p.sampling in ("poisson", "fixed") and p.mechanism.kind == "independent":
         z = calibrate_noise_multiplier(p.target_epsilon, delta, sampling=p.sampling, population=claim_population,
                                        expected_cohort=float(p.accounting_cohort), rounds=cfg.rounds,
                                        accountant=p.budget_accountant)
@@ -175,9 +192,10 @@ class DPFedAvgServer:
 
     def __init__(self, cfg: RunConfig, task: Task, on_round: Callable[[int, dict[str, float]], None] | None = None,
                  strategy_cls: type[DPFedAvg] = DPFedAvg) -> None:
-        self.cfg = cfg = resolve_noise_multiplier(cfg, task.population)
+        self.model = initial_model(task, cfg.seed, cfg.device)  # x_0 depends on the seed, not on z
+        self.cfg = cfg = resolve_noise_multiplier(cfg, task.population,
+                                                  sum(p.numel() for p in self.model.parameters()))
         self.task, self.on_round, self.population = task, on_round, task.population
-        self.model = initial_model(task, cfg.seed, cfg.device)
         self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
         self.strategy = build_strategy(cfg, task.population, self.model, strategy_cls, self.side_info)
         self.strategy.rounds_planned = cfg.rounds

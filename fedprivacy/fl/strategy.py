@@ -224,7 +224,9 @@ class DPFedAvg(Strategy):
             if record_level or disk_kappa is not None:
                 raise ValueError("secure_aggregation: record_level and disk_kappa are not supported (the masked "
                                  "upload carries neither an event nor a second update)")
-            self.mechanism: GaussianMechanism = SkellamMechanism(bits=secure_aggregation.bits, **mechanism_args)
+            self.mechanism: GaussianMechanism = SkellamMechanism(bits=secure_aggregation.bits,
+                                                                 min_shares=secure_aggregation.threshold,
+                                                                 **mechanism_args)
         else:
             self.mechanism = self.mechanism_cls(**mechanism_args)
         if disk_kappa is not None and not getattr(self.mechanism.noise, "independent", True):

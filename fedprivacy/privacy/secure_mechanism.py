@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedprivacy.privacy.accounting import AccountantKind, would_exceed
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.events import AccountedEvent
 from fedprivacy.privacy.mechanism import GaussianMechanism, Release
@@ -67,18 +68,19 @@ class SkellamMechanism(GaussianMechanism):
 
     Args:
         bits: the modulus bit width b.
+        min_shares: the fewest shares a release can have (SecAgg+'s threshold): what the budget check assumes.
         **kwargs: :class:`GaussianMechanism`'s; needs ``placement="distributed"``, Poisson sampling, independent
             noise, a fixed clip and no large-cohort emulation.
     """
 
-    def __init__(self, *, bits: int, **kwargs: Any) -> None:
+    def __init__(self, *, bits: int, min_shares: int = 1, **kwargs: Any) -> None:
         wrong = {k: kwargs.get(k) for k, ok in (("placement", "distributed"), ("sampling", "poisson"))
                  if kwargs.get(k, "poisson") != ok}
         if wrong or kwargs.get("adaptive") or kwargs.get("noise_cohort") or kwargs.get(
                 "noise_stream", GaussianNoise) is not GaussianNoise:
             raise ValueError(f"secure aggregation with Skellam noise needs placement='distributed', sampling='poisson', "
                              f"a fixed clip norm, independent noise and no noise_cohort (got {wrong or kwargs})")
-        self.bits = bits
+        self.bits, self.min_shares = bits, min_shares
         self.dim: int | None = None
         """The model's size d, set when the strategy adopts a model (the mechanism's scale depends on it)."""
         super().__init__(**kwargs)
@@ -95,6 +97,12 @@ class SkellamMechanism(GaussianMechanism):
         if self.dim is None:
             return super().event_at(release)
         return self.params().event(self.expected_cohort, self.expected_cohort / self.population)
+
+    def would_exceed(self, delta: float, kind: AccountantKind, target: float) -> bool:
+        """Whether the next release could take epsilon above ``target``: with as few as ``min_shares`` survivors
+        (invariant 8 whatever drops out)."""
+        worst = self.params().event(self.min_shares, self.expected_cohort / self.population)
+        return would_exceed(self.ledger, worst, delta, kind, target)
 
     def release_event(self, agg: PrivateSum) -> AccountedEvent:
         """The noise the survivors actually added: ``len(survivors)`` shares."""

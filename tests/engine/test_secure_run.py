@@ -68,3 +68,29 @@ def test_deploy_secure_aggregation_sets_distributed_placement_rdp_and_a_neighbou
     assert [secure_aggregation_defaults(m) for m in (2, 3, 6, 50)] == [
         {"neighbours": 3, "threshold": 2}, {"neighbours": 3, "threshold": 2}, {"neighbours": 5, "threshold": 4},
         {"neighbours": 7, "threshold": 5}]
+
+
+def test_the_secure_aggregation_example_runs_learns_and_reports_its_skellam_epsilon(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "examples" / "secure_aggregation.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    accuracy, eps, rounds = re.search(r"accuracy ([\d.]+) .* epsilon ([\d.]+) .* after (\d+) Skellam", out.stdout).groups()
+    assert float(accuracy) > 0.75 and int(rounds) == 10 and 0 < float(eps) < 20
+
+
+def test_auto_calibrates_on_the_fewest_shares_a_round_can_release_with_and_never_exceeds_the_target(small_config):
+    """The budget check assumes the next round completes with only ``threshold`` shares (whoever drops out, the
+    run never exceeds the target); ``auto`` calibrates on the same worst case, so the run is not stopped early and
+    spends less than the target when more clients survive."""
+    cfg = small_config("rounds=3", *SECAGG, "privacy.noise_multiplier=auto", "privacy.target_epsilon=4")
+    summary = run(cfg)
+    assert summary["rounds_completed"] == 3 and summary["stop_reason"] == "rounds"
+    assert summary["epsilon_rdp"] <= 4.0
+    tight = small_config("rounds=3", *SECAGG, f"privacy.noise_multiplier={summary['noise_multiplier'] * 0.8}",
+                         "privacy.target_epsilon=4", f"output_dir={cfg.output_dir}-tight")
+    assert run(tight)["stop_reason"] == "privacy_budget"  # less noise: the worst case of a round would exceed it
