@@ -4,12 +4,11 @@ min-separated participation over 5 groups (each user at most every 5 rounds), on
 Run: python examples/correlated_noise.py   (fedprivacy's in-process engine; no Ray, no SuperLink)
 """
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
-from dp_strategy import USERS, client_app  # this folder's stock ClientApp (the script's folder is on sys.path)
+from dp_strategy import USERS, accuracy, client_app  # this folder's stock ClientApp (the script's folder is on sys.path)
 from fedprivacy import CorrelatedMechanism, DPFedAvg
 from fedprivacy.engines.inprocess import run_inprocess
 
@@ -25,11 +24,7 @@ def main(grid: Grid, context: Context) -> None:
                         optimizer="sgd", lr=0.5, optimizer_settings={"momentum": 0.9})
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(nn.Linear(20, 2).state_dict()),
                             num_rounds=ROUNDS, train_config=ConfigRecord())
-    model = nn.Linear(20, 2)
-    model.load_state_dict(result.arrays.to_torch_state_dict())
-    x = torch.randn(2000, 20, generator=torch.Generator().manual_seed(10**6))
-    accuracy = float((model(x).argmax(1) == (x[:, 0] > 0).long()).float().mean())
-    print(f"accuracy {accuracy:.3f} (majority ~0.5), epsilon {strategy.epsilons()['rdp']:.2f} at delta 1e-3 "
+    print(f"accuracy {accuracy(result.arrays):.3f} (majority ~0.5), epsilon {strategy.epsilons()['rdp']:.2f} at delta 1e-3 "
           f"({blt.describe()}: one Gaussian of z = 2 for the {ROUNDS} rounds)")
 
 

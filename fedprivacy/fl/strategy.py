@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -376,13 +376,7 @@ class DPFedAvg(Strategy):
         assert isinstance(agg, SecureSum)
         agg.rotation_seed = secagg.rotation_seed
         diagnostics = _Diagnostics()
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if node not in self._waiting:
-                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
-                            t, node)
-                continue
-            self._waiting.discard(node)
+        for node, reply in self._expected(t, replies):
             try:
                 values = masked_upload(reply_content(reply), agg.params.padded_dim)
             except RejectedUpdate as err:
@@ -539,13 +533,7 @@ class DPFedAvg(Strategy):
         """Stream the replies into ``agg``, each accepted or rejected with its reason; a reply from a node
         not sampled this round, or a second one, is dropped (a node never contributes twice)."""
         diagnostics = _Diagnostics()
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if node not in self._waiting:
-                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
-                            t, node)
-                continue
-            self._waiting.discard(node)
+        for node, reply in self._expected(t, replies):
             if self.node_content is not None:
                 self.node_content.acknowledge(node, not reply.has_error())
             try:
@@ -556,6 +544,18 @@ class DPFedAvg(Strategy):
             if agg.add_(update, f"node {node}"):
                 diagnostics.add(reply.content)
         return diagnostics
+
+    def _expected(self, t: int, replies: Iterable[Message]) -> Iterator[tuple[int, Message]]:
+        """``(node, reply)`` for each reply of a node sampled this round that has not answered yet; any other reply
+        is dropped with a WARNING (a node never contributes twice)."""
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in self._waiting:
+                log.warning("round %d: ignoring a reply from node %s (not sampled this round, or already answered)",
+                            t, node)
+                continue
+            self._waiting.discard(node)
+            yield node, reply
 
     def _accept(self, reply: Message) -> SparseUpdate:
         """Account the client-side releases the reply reports, then its update: full weights minus the
