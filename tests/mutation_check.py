@@ -40,6 +40,7 @@ MUTATIONS = [
  ("fedprivacy/privacy/skellam_accounting.py", "        weights.append(3.0)", "        weights.append(1.0)", "tests/privacy/test_skellam.py -k poisson_subsampled"),
  ("fedprivacy/fl/secure_aggregation.py", "        masked += pair if nid > j else -pair", "        masked += pair", "tests/engine/test_secure_aggregation.py -k shares_sum_exactly"),
  ("fedprivacy/fl/secure_aggregation.py", "    if set(active) & set(dropped) or not", "    if not", "tests/engine/test_secure_aggregation.py -k reveal_both"),
+ ("fedprivacy/privacy/secure_mechanism.py", "worst = self.params().event(self.min_shares,", "worst = self.params().event(self.expected_cohort,", "tests/engine/test_secure_run.py -k never_exceeds"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)
