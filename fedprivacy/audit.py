@@ -319,6 +319,10 @@ def run_audit(cfg: RunConfig, *, trials: int = 500, delta: float = 1e-5, alpha: 
                          "get it with `fedprivacy calibrate` or from a calibrated run's config.yaml")
     if trials < 10:
         raise ValueError(f"audit trials must be at least 10 pairs, got {trials}")
+    if cfg.privacy.secure_aggregation is not None:
+        raise ValueError("the audit fits a Gaussian to one round of the server's release; privacy.secure_aggregation's "
+                         "Skellam rounds are checked by tests/engine/test_secure_aggregation.py (noise std, exact sums) "
+                         "instead: audit the config without it")
     scores = _trial_scores(DPFedAvg if variant == "correct" else BROKEN_VARIANTS[variant], cfg, trials)
     each = alpha / 3  # Bonferroni over the two Gaussian fits and the threshold test
     gaussian = {}

@@ -94,3 +94,10 @@ def test_auto_calibrates_on_the_fewest_shares_a_round_can_release_with_and_never
     tight = small_config("rounds=3", *SECAGG, f"privacy.noise_multiplier={summary['noise_multiplier'] * 0.8}",
                          "privacy.target_epsilon=4", f"output_dir={cfg.output_dir}-tight")
     assert run(tight)["stop_reason"] == "privacy_budget"  # less noise: the worst case of a round would exceed it
+
+
+def test_the_audit_refuses_a_secure_aggregation_config_naming_it(small_config):
+    from fedprivacy.audit import run_audit
+
+    with pytest.raises(ValueError, match="privacy.secure_aggregation"):
+        run_audit(small_config(*SECAGG), trials=10)
