@@ -60,9 +60,10 @@ MIN_BITS, MAX_BITS = 8, 32
 def _fwht_(x: torch.Tensor) -> torch.Tensor:
     r"""The unnormalized Walsh-Hadamard transform :math:`H_D x` of a length :math:`D = 2^k` vector, in place."""
     h, n = 1, x.numel()
+    buffer = torch.empty(n // 2, dtype=x.dtype, device=x.device)  # one scratch half-vector for every level
     while h < n:
         view = x.view(-1, 2, h)
-        first = view[:, 0, :].clone()
+        first = buffer.view(-1, h).copy_(view[:, 0, :])
         view[:, 0, :] += view[:, 1, :]
         view[:, 1, :].neg_().add_(first)
         h *= 2
