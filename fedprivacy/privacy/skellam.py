@@ -21,7 +21,7 @@ Parameters (:class:`SkellamParams`): ``z`` sets the total variance at ``m`` shar
 scaled analogue of the Gaussian :math:`N(0, z^2C^2)`; the scale ``s`` is the largest for which ``m`` clients'
 sum stays inside the modulus with ``k`` standard deviations of headroom (TFF's ``DistributedDpSumFactory``
 rule: :math:`2^{b} = 2k\sqrt{m^2 C^2 s^2/D + z^2C^2 s^2 + m/4}`); the rounded vectors' sensitivities are
-Kairouz et al.'s bound with :math:`\beta = e^{-1/2}` (their Thm. 1, Eq. (6)):
+Kairouz et al.'s bound with :math:`\beta = e^{-1/2}` (their conditional rounding, Thm. 1):
 
 .. math::
     \Delta_2 = \min\Big(C s + \sqrt D,\ \sqrt{C^2s^2 + D/4 + \sqrt{2\log(1/\beta)}\,(Cs + \sqrt D / 2)}\Big),

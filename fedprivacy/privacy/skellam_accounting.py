@@ -9,6 +9,12 @@ subsampled Renyi differential privacy", ICML 2019, Thm. 6), the smaller of the t
 get no bound (``inf``), so the conversion to :math:`(\varepsilon, \delta)` uses the integer ones. PLD and PRV do
 not model Skellam noise: :func:`~fedprivacy.privacy.accounting.epsilon` reports ``None`` for them. Kept apart from
 :mod:`.skellam` so that a client (which only encodes) never imports dp-accounting.
+
+Neighbouring relation, as in the papers: the two sums differ by one user's rounded vector, with the same noise,
+that of the round's surviving shares (:math:`\mu = n\mu_1`). Under add/remove-one where a removed user also takes
+its own noise share away, the two sums' noise variances differ by one share; Thm. 3.5 does not bound that pair
+(the Renyi divergence of Skellams of different variances is infinite at large orders), and it is not accounted
+here.
 """
 
 from __future__ import annotations
