@@ -13,7 +13,7 @@ pytest.importorskip("sklearn")
 
 APP = Path(__file__).parents[2] / "examples" / "digits"
 REPORT = re.compile(r"test accuracy ([\d.]+) \(majority baseline ([\d.]+)\).* epsilon ([\d.]+|inf) \(RDP\), "
-                    r"([\d.]+|inf) \(PLD\)")
+                    r"([\d.]+|inf|none) \(PLD\)")
 
 
 def _run(*overrides: str) -> tuple[float, float, float, float]:
@@ -22,7 +22,7 @@ def _run(*overrides: str) -> tuple[float, float, float, float]:
     assert out.returncode == 0, out.stderr[-3000:]
     match = REPORT.search(out.stdout)
     assert match, out.stdout[-2000:]
-    return tuple(map(float, match.groups()))
+    return tuple(float("nan") if g == "none" else float(g) for g in match.groups())
 
 
 @pytest.mark.slow
@@ -78,3 +78,14 @@ def test_the_app_runs_under_flwr_run_on_flowers_simulation_engine(tmp_path, flwr
     assert match, (out.stdout + out.stderr)[-3000:]
     accuracy, _, eps_rdp, eps_pld = map(float, match.groups())
     assert 0 < eps_pld <= eps_rdp < math.inf and 0 <= accuracy <= 1
+
+
+@pytest.mark.slow
+def test_secure_aggregation_from_the_app_config_also_learns():
+    """The same Flower App (what `flwr run .` runs) with SecAgg+ and Skellam shares: the server sees only masked
+    uploads; the app reports RDP (PLD does not model Skellam rounds)."""
+    accuracy, baseline, eps_rdp, eps_pld = _run("noise-placement='distributed' secure-aggregation=true "
+                                                "num-server-rounds=15")
+    assert accuracy > baseline + 0.3
+    assert math.isfinite(eps_rdp) and eps_rdp > 0 and math.isnan(eps_pld)
+

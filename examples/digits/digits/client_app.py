@@ -1,21 +1,27 @@
 """digits: the ClientApp. A stock Flower client (local SGD, replies its full weights); the only
-fedprivacy piece is the optional client mod that clips and noises the update on the device."""
+fedprivacy piece is the optional client mod that clips and noises the update on the device (and, with
+``secure-aggregation``, masks it for SecAgg+)."""
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from digits.task import load_user, make_model, run_config, train
-from fedprivacy.fl.mods import client_noise_mod
+from fedprivacy import client_noise_mod, secure_aggregation_mod
 
 
 def noise_on_device(msg: Message, context: Context, call_next):
     """With ``noise-placement = "distributed"`` or ``"local"``, clip and noise on the device
-    (:func:`fedprivacy.fl.mods.client_noise_mod`); with ``"central"`` the server does both."""
+    (:func:`fedprivacy.fl.mods.client_noise_mod`), or with ``secure-aggregation = true`` add a Skellam share and
+    answer SecAgg+ (:func:`fedprivacy.secure_aggregation_mod`); with ``"central"`` the server does both."""
     cfg = run_config(context)
     if cfg["noise-placement"] == "central":
         return call_next(msg, context)
-    mod = client_noise_mod(placement=cfg["noise-placement"], noise_multiplier=cfg["noise-multiplier"],
-                           clip_norm=cfg["clip-norm"], expected_cohort=cfg["expected-cohort"])
+    if cfg["secure-aggregation"]:
+        mod = secure_aggregation_mod(noise_multiplier=cfg["noise-multiplier"], clip_norm=cfg["clip-norm"],
+                                     expected_cohort=cfg["expected-cohort"], bits=cfg["secagg-bits"])
+    else:
+        mod = client_noise_mod(placement=cfg["noise-placement"], noise_multiplier=cfg["noise-multiplier"],
+                               clip_norm=cfg["clip-norm"], expected_cohort=cfg["expected-cohort"])
     return mod(msg, context, call_next)
 
 

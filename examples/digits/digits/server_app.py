@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from digits.task import evaluate, majority_baseline, make_model, run_config, test_set
-from fedprivacy.fl.strategy import DPFedAvg
+from fedprivacy import DPFedAvg, SecureAggregation
 
 log = logging.getLogger("digits")
 app = ServerApp()
@@ -17,10 +17,13 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     cfg = run_config(context)
     start = time.perf_counter()
+    secagg = (SecureAggregation(cfg["secagg-threshold"], cfg["secagg-neighbours"], cfg["secagg-bits"])
+              if cfg["secure-aggregation"] else None)
     strategy = DPFedAvg(noise_multiplier=cfg["noise-multiplier"], clip_norm=cfg["clip-norm"],
                         expected_cohort=cfg["expected-cohort"], population=cfg["num-users"],
                         placement=cfg["noise-placement"], optimizer=cfg["server-optimizer"], lr=cfg["server-lr"],
-                        delta=cfg["delta"], seed=cfg["seed"])
+                        delta=cfg["delta"], seed=cfg["seed"], secure_aggregation=secagg,
+                        accountants=("rdp",) if secagg else ("rdp", "pld"))
     x_test, y_test = test_set(cfg["seed"])
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -36,5 +39,10 @@ def main(grid: Grid, context: Context) -> None:
     eps = strategy.epsilons()
     print(f"digits: test accuracy {final['test-accuracy']:.3f} (majority baseline {majority_baseline(cfg['seed']):.3f})"
           f" after {cfg['num-server-rounds']} rounds of {cfg['expected-cohort']} of {cfg['num-users']} users;"
-          f" epsilon {eps['rdp']:.2f} (RDP), {eps['pld']:.2f} (PLD) at delta {cfg['delta']:g};"
+          f" epsilon {eps['rdp']:.2f} (RDP), {_pld(eps)} (PLD) at delta {cfg['delta']:g};"
           f" {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _pld(eps: dict) -> str:
+    """PLD's epsilon, or ``none`` (it does not model Skellam rounds: secure aggregation is accounted by RDP)."""
+    return "none" if eps.get("pld") is None else f"{eps['pld']:.2f}"
