@@ -365,11 +365,9 @@ class DPFedAvg(Strategy):
         threshold the round ends with one logged line, the model unchanged and nothing accounted."""
         secagg, self._secagg = self._secagg, None
         self.round = t
-        aborted: dict[str, Any] = {**{f"epsilon_{k}": float("nan") if v is None else v for k, v in self.epsilons().items()},
-                   **self._round_metrics(), "secagg_aborted": 1.0, "secagg_survivors": 0.0}
-        if secagg is None:  # aborted before the model was sent (logged then)
-            for _ in replies:
-                pass
+        aborted: dict[str, Any] = {**self._epsilon_metrics(), **self._round_metrics(), "secagg_aborted": 1.0,
+                                   "secagg_survivors": 0.0}
+        if secagg is None:  # aborted before the model was sent (logged then): no message went out, no reply comes
             return self._record, MetricRecord(aborted)
         assert self.params is not None
         agg = self.mechanism.aggregator(self.params.numel())
@@ -395,8 +393,7 @@ class DPFedAvg(Strategy):
             released = self.mechanism.release(agg, t)
         except SecAggAborted as err:
             log.error("%s: nothing released; the release logged ahead stays accounted", err)
-            return self._record, MetricRecord({**aborted, **{f"epsilon_{k}": float("nan") if v is None else v
-                                                             for k, v in self.epsilons().items()}})
+            return self._record, MetricRecord({**aborted, **self._epsilon_metrics()})
         return self._finish(agg, released, diagnostics,
                             {"secagg_aborted": 0.0, "secagg_survivors": float(len(agg.survivors))})
 
@@ -579,10 +576,14 @@ class DPFedAvg(Strategy):
             log.error("round %d: none of the %d sampled clients' updates was accepted; the release is noise alone",
                       self.round, len(self.cohort))
 
+    def _epsilon_metrics(self) -> dict[str, float]:
+        """``epsilon_<accountant>`` so far (NaN where an accountant cannot account the ledger)."""
+        return {f"epsilon_{k}": float("nan") if v is None else v for k, v in self.epsilons().items()}
+
     def _privacy_metrics(self, agg: PrivateSum, released: Release) -> dict[str, float]:
         """Epsilons so far, the aggregation's statistics, C_t, the server's noise std; the released unclipped
         fraction (adaptive clipping), DP-FedAdamBC's floored fraction, the largest client epsilon."""
-        out = {f"epsilon_{k}": float("nan") if v is None else v for k, v in self.epsilons().items()}
+        out = self._epsilon_metrics()
         out.update(agg.stats.as_metrics(), clip_norm=released.clip_norm, server_noise_std=agg.server_noise_std())
         if released.unclipped_fraction is not None:
             out["unclipped_fraction_released"] = released.unclipped_fraction
