@@ -58,6 +58,7 @@ _APP = textwrap.dedent('''
     from flwr.app import ArrayRecord, ConfigRecord, Context
     from flwr.serverapp import Grid, ServerApp
     from fedprivacy.engines.inprocess import run_inprocess
+    from fedprivacy import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
     from fedprivacy.fl.strategy_state import StrategyState
     from test_strategy import _model, _plain_client_app
@@ -78,24 +79,30 @@ _APP = textwrap.dedent('''
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        secure = dict(placement="distributed", secure_aggregation=SecureAggregation(threshold=2, neighbours=3),
+                      accountants=("rdp",)) if sys.argv[3] == "secure" else {}
         strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=8, delta=1e-3,
-                            state_dir=sys.argv[1])  # the deployment default: cohort and noise from the OS
+                            state_dir=sys.argv[1], **secure)  # the deployment default: cohort and noise from the OS
         strategy.start(grid=grid, initial_arrays=ArrayRecord(_model().state_dict()), num_rounds=int(sys.argv[2]),
                        train_config=ConfigRecord({"lr": 0.5}))
         print(json.dumps({"round": strategy.round, "releases": strategy.mechanism.ledger.rounds,
                           "epsilon": strategy.epsilons()["rdp"]}))
 
-    run_inprocess(app, _plain_client_app(slow), 8)
+    mods = [secure_aggregation_mod(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, bits=20)]
+    run_inprocess(app, _plain_client_app(slow, mods=mods if sys.argv[3] == "secure" else None), 8)
 ''')
 
 
-def test_kill_9_at_random_moments_then_restart_never_under_counts_and_never_reuses_a_draw(tmp_path):
+@pytest.mark.parametrize("mode", ["central", "secure"])
+def test_kill_9_at_random_moments_then_restart_never_under_counts_and_never_reuses_a_draw(tmp_path, mode):
+    """``secure``: SecAgg+ with the clients' Skellam shares; the server draws nothing, every logged release is a
+    Skellam round and is accounted."""
     script = tmp_path / "server_app.py"
     script.write_text(_APP)
     state, rounds, rng = tmp_path / "state", 12, random.Random()
 
     def launch():
-        return subprocess.Popen([sys.executable, str(script), str(state), str(rounds)], stdout=subprocess.PIPE,
+        return subprocess.Popen([sys.executable, str(script), str(state), str(rounds), mode], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True,
                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
     for kill in range(3):
@@ -118,6 +125,9 @@ def test_kill_9_at_random_moments_then_restart_never_under_counts_and_never_reus
     assert final["round"] == saved["round"] == rounds
     assert ledger.rounds == len(entries) == final["releases"] >= rounds  # every logged release is accounted
     draws = [e["draw"] for e in entries]
-    assert len(set(draws)) == len(draws)  # no noise draw released twice
+    if mode == "secure":  # no server draw; each release the survivors' Skellam shares
+        assert set(draws) == {None} and all(type(e["event"]).__name__ == "SkellamRound" for e in entries)
+    else:
+        assert len(set(draws)) == len(draws)  # no noise draw released twice
     assert [e["release"] for e in entries] == list(range(1, len(entries) + 1))
     assert len(entries) > rounds and max(e["epoch"] for e in entries) >= 1  # a lost release was accounted
