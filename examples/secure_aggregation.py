@@ -28,8 +28,11 @@ def main(grid: Grid, context: Context) -> None:
                         optimizer="sgd", lr=0.5, optimizer_settings={"momentum": 0.9})
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(nn.Linear(20, 2).state_dict()),
                             num_rounds=ROUNDS, train_config=ConfigRecord())
+    # A round whose Poisson cohort or survivors fall below the threshold aborts: nothing released, nothing accounted.
+    aborted = sum(int(m.get("secagg_aborted", 0)) for m in result.train_metrics_clientapp.values())
     print(f"accuracy {accuracy(result.arrays):.3f} (majority ~0.5), epsilon {strategy.epsilons()['rdp']:.2f} at delta 1e-3 "
-          f"after {strategy.mechanism.ledger.rounds} Skellam rounds (the server saw only masked uploads)")
+          f"after {strategy.mechanism.ledger.rounds} Skellam rounds, {aborted} aborted below the threshold "
+          "(the server saw only masked uploads)")
 
 
 if __name__ == "__main__":

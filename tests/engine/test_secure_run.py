@@ -79,8 +79,11 @@ def test_the_secure_aggregation_example_runs_learns_and_reports_its_skellam_epsi
     example = Path(__file__).parents[2] / "examples" / "secure_aggregation.py"
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    accuracy, eps, rounds = re.search(r"accuracy ([\d.]+) .* epsilon ([\d.]+) .* after (\d+) Skellam", out.stdout).groups()
-    assert float(accuracy) > 0.75 and int(rounds) == 10 and 0 < float(eps) < 20
+    found = re.search(r"accuracy ([\d.]+) .* epsilon ([\d.]+) .* after (\d+) Skellam rounds, (\d+) aborted", out.stdout)
+    accuracy, eps, rounds, aborted = found.groups()
+    # Poisson cohorts of mean 10 from 50 users fall below the threshold of 4 with probability 0.0057 per round
+    # (about 1 run in 18 has an aborted round): such a round is neither released nor accounted.
+    assert float(accuracy) > 0.75 and int(rounds) + int(aborted) == 10 and int(aborted) <= 2 and 0 < float(eps) < 20
 
 
 def test_auto_calibrates_on_the_fewest_shares_a_round_can_release_with_and_never_exceeds_the_target(small_config):
