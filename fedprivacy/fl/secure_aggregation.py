@@ -14,7 +14,8 @@ One round is four exchanges of ``train`` messages, each carrying a ``"secagg"`` 
 3. ``collect``: the model and the forwarded shares; the node trains and uploads
    :math:`y_i = v_i + \mathrm{PRG}(b_i) + \sum_{j} \pm \mathrm{PRG}(c_{ij}) \bmod 2^b`, with :math:`v_i` its
    Skellam share (:meth:`~fedprivacy.privacy.skellam.SkellamParams.encode`) and the sign ``+`` if
-   :math:`i > j`; each pairwise mask cancels in the sum of two survivors;
+   :math:`i > j`; each pairwise mask cancels in the sum of two survivors; the upload travels as ``b`` bits per
+   coordinate (:mod:`~fedprivacy.fl.bit_packing`);
 4. ``unmask``: each survivor sends, for every neighbour, the share of ``b`` (neighbour survived) or of
    ``c_sk`` (neighbour dropped after sharing keys), never both for one node; with ``threshold`` shares the
    server removes the survivors' self masks and the dropped nodes' pairwise masks.
@@ -55,6 +56,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import (bytes_to_private_key, bytes_to_public_key, generate_key_pairs,
                                                   private_key_to_bytes, public_key_to_bytes)
 
+from fedprivacy.fl.bit_packing import pack_bits, packed_size, padding_is_zero, unpack_bits
 from fedprivacy.fl.records import _contract_view, arrays_to_record, reply_to_update, record_to_layout
 from fedprivacy.privacy.skellam import SkellamParams, client_rng
 from fedprivacy.updates import RejectedUpdate
@@ -246,15 +248,19 @@ class SecAggRound:
         return total & np.uint32((1 << bits) - 1)
 
 
-def masked_upload(content: RecordDict, size: int) -> np.ndarray:
-    """The masked vector of a ``collect`` reply: uint32 of length ``size`` (else RejectedUpdate)."""
+def masked_upload(content: RecordDict, size: int, bits: int) -> np.ndarray:
+    """The masked vector of a ``collect`` reply: ``size`` values of ``bits`` bits packed as uint8
+    (:mod:`~fedprivacy.fl.bit_packing`), returned unpacked as uint32 (else RejectedUpdate)."""
     record = content.array_records.get(SECAGG)
     if not isinstance(record, ArrayRecord) or list(record.keys()) != ["masked"]:
         raise RejectedUpdate("malformed", f"no masked upload (records {sorted(content.keys())})")
-    values = _contract_view(record, "masked", ("uint32",))
-    if values.shape != (size,):
-        raise RejectedUpdate("malformed", f"masked upload of shape {values.shape}, expected ({size},)")
-    return values
+    data = _contract_view(record, "masked", ("uint8",))
+    if data.shape != (packed_size(size, bits),):
+        raise RejectedUpdate("malformed", f"masked upload of shape {data.shape}, expected ({packed_size(size, bits)},):"
+                                          f" {size} values of {bits} bits")
+    if not padding_is_zero(data, size, bits):
+        raise RejectedUpdate("malformed", "masked upload with nonzero bits after its last value")
+    return unpack_bits(data, size, bits)
 
 
 # -- client --------------------------------------------------------------------------------------------------
@@ -384,7 +390,7 @@ def _collect(msg: Message, context: Context, state: dict[str, Any], config: Mapp
     masked &= np.uint32((1 << settings.bits) - 1)
     state.update({"stage": "collect", "owners": owners, "seed-shares": seed_shares, "key-shares": key_shares})
     _save(context, state)
-    return Message(RecordDict({SECAGG: arrays_to_record({"masked": masked})}), reply_to=msg)
+    return Message(RecordDict({SECAGG: arrays_to_record({"masked": pack_bits(masked, settings.bits)})}), reply_to=msg)
 
 
 def _unmask(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:

@@ -376,12 +376,13 @@ class DPFedAvg(Strategy):
         diagnostics = _Diagnostics()
         for node, reply in self._expected(t, replies):
             try:
-                values = masked_upload(reply_content(reply), agg.params.padded_dim)
+                content = reply_content(reply)
+                values = masked_upload(content, agg.params.padded_dim, agg.params.bits)
             except RejectedUpdate as err:
                 agg.reject(err.reason, f"node {node}", str(err))
                 continue
             agg.add_masked(node, values)
-            diagnostics.uplink.append(values.nbytes)
+            diagnostics.uplink.append(record_nbytes(content.array_records[SECAGG]))
         try:
             secagg.check(agg.survivors)
         except SecAggAborted as err:

@@ -54,7 +54,7 @@ BETA = math.exp(-0.5)
 MAX_ROUNDING_TRIES = 1000
 """Redraws of the conditional rounding before giving up (each succeeds with probability >= 1 - beta)."""
 MIN_BITS, MAX_BITS = 8, 32
-"""The modulus bit widths accepted (uploads travel as uint32)."""
+"""The modulus bit widths accepted (shares are held as uint32 and travel packed, ``b`` bits each)."""
 
 
 def _fwht_(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from scipy import stats
 
 from fedprivacy.engines.inprocess import InProcessGrid
+from fedprivacy.fl.bit_packing import packed_size, unpack_bits
 from fedprivacy.fl import secure_aggregation as secagg
 from fedprivacy.fl.secure_aggregation import SECAGG, SecureAggregation, secure_aggregation_mod
 from fedprivacy.fl.strategy import DPFedAvg
@@ -99,7 +100,11 @@ def test_the_server_holds_only_uniform_masked_uploads_whose_unmasked_sum_is_the_
     monkeypatch.setattr(SkellamParams, "encode", recording_encode)
     monkeypatch.setattr(secagg.SecAggRound, "unmask", lambda self, *a: masks.append(unmask(self, *a)) or masks[-1])
     _, grid = _run(_strategy(z=1.0), _noisy_client(1.0))
-    uploads = [r.content.array_records[SECAGG]["masked"].numpy() for r in _stage(grid, "collect")]
+    packed = [r.content.array_records[SECAGG]["masked"].numpy() for r in _stage(grid, "collect")]
+    dim = SkellamParams(dim=_flat(ArrayRecord(_model().state_dict())).numel(), clip_norm=C, noise_multiplier=1.0,
+                        expected_cohort=N, bits=BITS).padded_dim
+    assert all(p.dtype == np.uint8 and p.size == packed_size(dim, BITS) for p in packed)  # b bits per coordinate
+    uploads = [unpack_bits(p, dim, BITS) for p in packed]
     assert len(uploads) == len(shares) == N and len(masks) == 1
     assert all(set(r.content.keys()) == {SECAGG} for r in _stage(grid, "collect"))  # nothing else leaves a client
     modulus = np.uint64(2 ** BITS - 1)

@@ -1,7 +1,8 @@
 """What the SecAgg+ server parses from clients, crafted like an attacker would (issue "Secure aggregation"; the
 project's rule for anything that parses a client's reply): a masked upload of any dtype, byte order, shape or lying
-metadata is either exactly a uint32 vector of the expected length or rejected with a reason; setup and share-keys
-replies of any content only ever drop their sender from the round (or abort it below the threshold)."""
+metadata is either exactly the expected number of b-bit values, packed (``fedprivacy.fl.bit_packing``), or
+rejected with a reason; setup and share-keys replies of any content only ever drop their sender from the round (or
+abort it below the threshold)."""
 
 from uuid import uuid4
 
@@ -12,11 +13,12 @@ from flwr.common.constant import SType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedprivacy.fl.bit_packing import pack_bits, packed_size, padding_is_zero, unpack_bits
 from fedprivacy.fl.records import arrays_to_record
 from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
 from fedprivacy.updates import RejectedUpdate
 
-SIZE = 16
+SIZE = 13  # 13 b-bit values leave unused bits in the last byte for odd b
 
 
 @pytest.fixture(autouse=True)
@@ -25,28 +27,85 @@ def _server_identity():
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
-DTYPES = ["<u4", ">u4", "<u8", "<i4", "<f4", "<u2", "|u1"]
+
+DTYPES = ["|u1", "<u4", ">u4", "<u8", "<i4", "<f4", "<u2", "|i1"]
 
 
-@settings(max_examples=200, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(0, 20), max_size=2),
-       key=st.sampled_from(["masked", "values", "arrays"]), declared=st.sampled_from(["uint32", "float32", "int64"]),
-       lie=st.booleans(), extra=st.booleans())
-def test_any_masked_upload_is_a_uint32_vector_of_the_length_or_rejected(dtype, shape, key, declared, lie, extra):
-    values = np.arange(int(np.prod(shape)) if shape else 1, dtype=dtype).reshape(shape)
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), exact=st.booleans(), shape=st.lists(st.integers(0, 60), max_size=2),
+       key=st.sampled_from(["masked", "values", "arrays"]), declared=st.sampled_from(["uint8", "uint32", "float32"]),
+       lie=st.booleans(), extra=st.booleans(), bits=st.integers(8, 32), data=st.data())
+def test_any_masked_upload_is_b_bit_values_of_the_length_or_rejected(dtype, exact, shape, key, declared, lie, extra,
+                                                                    bits, data):
+    shape = [packed_size(SIZE, bits)] if exact else shape
+    raw = data.draw(st.binary(min_size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                              max_size=int(np.prod(shape)) * np.dtype(dtype).itemsize))
+    values = np.frombuffer(raw, dtype=dtype).reshape(shape)
     record = arrays_to_record({key: values})
     if lie:  # the metadata says something the bytes are not
-        record = ArrayRecord({key: Array(dtype=declared, shape=(SIZE,), stype=SType.NUMPY,
+        record = ArrayRecord({key: Array(dtype=declared, shape=(packed_size(SIZE, bits),), stype=SType.NUMPY,
                                          data=record[key].data)})
     if extra:
-        record["other"] = Array(np.zeros(2, dtype=np.uint32))
+        record["other"] = Array(np.zeros(2, dtype=np.uint8))
     try:
-        out = masked_upload(RecordDict({SECAGG: record}), SIZE)
+        out = masked_upload(RecordDict({SECAGG: record}), SIZE, bits)
     except RejectedUpdate as err:
         assert err.reason in ("malformed", "dtype")
         return
     assert out.dtype == np.dtype("uint32") and out.shape == (SIZE,) and out.dtype.byteorder in ("=", "<", "|")
+    assert (out >> bits == 0).all()  # every value lives mod 2^b
+    assert pack_bits(out, bits).tobytes() == record[key].numpy().tobytes()  # nothing dropped, nothing invented
     assert key == "masked" and not extra
+
+
+@settings(max_examples=200, deadline=None)
+@given(bits=st.integers(8, 32), data=st.data())
+def test_any_bytes_of_the_packed_length_are_read_exactly_when_their_padding_is_zero(bits, data):
+    raw = np.frombuffer(data.draw(st.binary(min_size=packed_size(SIZE, bits), max_size=packed_size(SIZE, bits))),
+                        dtype=np.uint8)
+    content = RecordDict({SECAGG: arrays_to_record({"masked": raw})})
+    if not padding_is_zero(raw, SIZE, bits):
+        with pytest.raises(RejectedUpdate, match="after its last value"):
+            masked_upload(content, SIZE, bits)
+        return
+    out = masked_upload(content, SIZE, bits)
+    assert out.shape == (SIZE,) and (out >> bits == 0).all() and np.array_equal(pack_bits(out, bits), raw)
+
+
+def _reference_pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Bit by bit: value i's bits, least significant first, at stream positions [i b, (i + 1) b)."""
+    stream = np.unpackbits(values.astype("<u4").view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")[:, :bits]
+    return np.packbits(stream.reshape(-1), bitorder="little")
+
+
+@settings(max_examples=300, deadline=None)
+@given(bits=st.integers(8, 32), data=st.data())
+def test_packing_is_the_bit_stream_of_the_values_and_unpacking_inverts_it(bits, data):
+    values = np.array(data.draw(st.lists(st.integers(0, 2 ** bits - 1), max_size=70)), dtype=np.uint32)
+    packed = pack_bits(values, bits)
+    assert packed.dtype == np.uint8 and packed.size == packed_size(values.size, bits) == -(-values.size * bits // 8)
+    assert np.array_equal(packed, _reference_pack(values, bits))
+    assert np.array_equal(unpack_bits(packed, values.size, bits), values)
+    assert padding_is_zero(packed, values.size, bits)
+
+
+def test_packing_refuses_a_value_wider_than_the_bits_and_widths_it_cannot_pack():
+    with pytest.raises(ValueError, match="20 bits"):
+        pack_bits(np.array([1, 2 ** 20], dtype=np.uint32), 20)
+    with pytest.raises(ValueError, match="bits"):
+        pack_bits(np.array([1], dtype=np.uint32), 7)
+
+
+@settings(max_examples=100, deadline=None)
+@given(bits=st.integers(9, 31).filter(lambda b: SIZE * b % 8), last=st.integers(1, 255))
+def test_an_upload_with_bits_set_after_its_last_value_is_rejected(bits, last):
+    packed = pack_bits(np.arange(SIZE, dtype=np.uint32), bits)
+    used = SIZE * bits % 8
+    packed[-1] |= (last << used) & 0xFF
+    if packed[-1] >> used == 0:  # nothing set beyond the used bits
+        return
+    with pytest.raises(RejectedUpdate, match="after its last value"):
+        masked_upload(RecordDict({SECAGG: arrays_to_record({"masked": packed})}), SIZE, bits)
 
 
 class ScriptedGrid:
