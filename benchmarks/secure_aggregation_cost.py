@@ -94,7 +94,7 @@ SA_TIMED = {  # names in fedprivacy.fl.secure_aggregation -> what the tables cal
     "bytes_to_public_key": "key (de)serialization", "create_shares": "Shamir: share", "combine_shares": "Shamir: combine",
     "generate_shared_key": "ECDH + HKDF", "encrypt": "Fernet: encrypt", "decrypt": "Fernet: decrypt",
     "prg_mask": "PRG masks (AES-CTR)", "record_to_layout": "read model + reply", "reply_to_update": "read model + reply",
-    "arrays_to_record": "upload record",
+    "arrays_to_record": "upload record", "pack_bits": "pack upload (b bits each)", "unpack_bits": "unpack upload",
 }
 
 
@@ -286,9 +286,10 @@ def secagg_round(w: Workload, rnd_no: int, meter: Meter, drop: int | None = None
         t0 = time.perf_counter()
         for reply in replies:
             if not reply.has_error():
-                agg.add_masked(reply.metadata.src_node_id, masked_upload(reply.content, w.params.padded_dim))
+                upload = masked_upload(reply.content, w.params.padded_dim, w.params.bits)
+                agg.add_masked(reply.metadata.src_node_id, upload)
         rnd.check(agg.survivors)
-        server["sum masked uploads"] = time.perf_counter() - t0
+        server["unpack + sum masked uploads"] = time.perf_counter() - t0
         before = (grid.client_seconds, grid.bookkeeping)
         unmask_wall = []
 
@@ -632,7 +633,7 @@ def run_size(d: int, args: argparse.Namespace) -> None:
     print(f"| 4d (float32 model) | {four_d:,} | {four_d:,} |")
     print(f"| SecAgg+ protocol bytes besides the model and the upload (keys, ciphertexts, share lists) | "
           f"{sec_down - plain_down:,.0f} | {sec_up - per_stage['collect', 'up']:,.0f} |")
-    print(f"| SecAgg+ upload (uint32 of D = {p.padded_dim:,} values) minus the plaintext one (float32 of d) | | "
+    print(f"| SecAgg+ upload (D = {p.padded_dim:,} values of b = {p.bits} bits) minus the plaintext one (float32 of d) | | "
           f"{per_stage['collect', 'up'] - plain_up:,.0f} |")
 
     # the dropout rounds
