@@ -2,10 +2,11 @@ r"""The wire format of a masked SecAgg+ upload: ``n`` values of ``b`` bits each,
 into :math:`\lceil n b / 8 \rceil` bytes (value ``i`` holds bits :math:`[ib, (i+1)b)` of the stream; the unused bits
 of the last byte are zero).
 
-Uploads live modulo :math:`2^b` (Agarwal et al. 2021, Sec. 4: the communication cost is ``b`` bits per coordinate);
-sending them as uint32 would cost ``32/b`` times that. Eight values fill exactly ``b`` bytes, so each of the eight
-positions in a group is one vectorised shift into (or out of) an unaligned little-endian 64-bit word at a fixed
-byte offset: a value of at most 32 bits, shifted by at most 7, spans at most 5 of its 8 bytes.
+Uploads live modulo :math:`2^b`: ``b`` bits per coordinate is the communication cost that secure aggregation with
+discrete noise is designed around (Kairouz et al. 2021; Agarwal et al. 2021); uint32 would cost ``32/b`` times that.
+Eight values fill exactly ``b`` bytes, so each of the eight positions in a group is one vectorised shift into (or
+out of) an unaligned little-endian 64-bit word at a fixed byte offset: a value of at most 32 bits, shifted by at
+most 7, spans at most 5 of its 8 bytes.
 """
 
 from __future__ import annotations
