@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import time
 
 import torch
 
+from machine import machine_line  # this folder (the script's) is on sys.path
 from fedprivacy.privacy.bandmf import BandMFNoise
 from fedprivacy.privacy.blt import BLTNoise
 from fedprivacy.privacy.noise import GaussianNoise
@@ -110,12 +110,7 @@ def main() -> int:
         child_rss(args.child, args.d, args.rss_releases)
         return 0
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    started = datetime.datetime.now(datetime.timezone.utc)
-    print(f"machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"Python {platform.python_version()}; {started:%Y-%m-%d %H:%M} UTC; load average "
-          f"{os.getloadavg()[0]:.2f}; d = {args.d:,} float32; horizon 1024, min separation {SEPARATION}")
+    print(f"{machine_line()}; d = {args.d:,} float32; horizon 1024, min separation {SEPARATION}")
     vector_bytes = 4 * args.d
     target = torch.zeros(args.d, dtype=torch.float32)
     streams = {name: build(name) for name in STREAMS}

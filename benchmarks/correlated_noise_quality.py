@@ -45,6 +45,7 @@ import time
 import numpy as np
 import torch
 
+from machine import cpu_name  # this folder (the script's) is on sys.path
 from fedprivacy.privacy.bandmf import BandMFNoise, bandmf_coefficients
 from fedprivacy.privacy.blt import BLTNoise
 from fedprivacy.privacy.matrix_factorization import inverse_coefficients, participations, prefix_error
@@ -301,9 +302,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     t0 = time.perf_counter()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"machine: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+    print(f"machine: {cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
           f"numpy {np.__version__}, Python {platform.python_version()}; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; M = {args.coords}, seed {args.seed}")
 

@@ -61,7 +61,6 @@ import contextlib
 import datetime
 import hashlib
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -75,6 +74,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from machine import machine_line  # this folder (the script's) is on sys.path
 import fedprivacy.fl.secure_aggregation as sa
 from fedprivacy.fl.mods import client_noise_mod, noised_upload
 from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_to_update
@@ -688,14 +688,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    started = datetime.datetime.now(datetime.timezone.utc)
     import cryptography
     import flwr
-    print(f"machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"numpy {np.__version__}, cryptography {cryptography.__version__}, flwr {flwr.__version__}, Python "
-          f"{platform.python_version()}; {started:%Y-%m-%d %H:%M} UTC; load average {os.getloadavg()[0]:.2f}")
+    print(machine_line(f"numpy {np.__version__}, cryptography {cryptography.__version__}, flwr {flwr.__version__}, "))
     print(" ".join([os.path.basename(sys.executable), *sys.argv]))
     t0 = time.perf_counter()
     for line in check_correct(args.check_size, args):
