@@ -91,6 +91,7 @@ from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
 from fedprivacy.privacy.secure_mechanism import SecureSum, SkellamMechanism
+from fedprivacy.privacy.skellam import IntegrityCheckFailed
 from fedprivacy.privacy.noise import GaussianNoise, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
@@ -395,8 +396,13 @@ class DPFedAvg(Strategy):
         except SecAggAborted as err:
             log.error("%s: nothing released; the release logged ahead stays accounted", err)
             return self._record, MetricRecord({**aborted, **self._epsilon_metrics()})
-        return self._finish(agg, released, diagnostics,
-                            {"secagg_aborted": 0.0, "secagg_survivors": float(len(agg.survivors))})
+        except IntegrityCheckFailed as err:
+            log.error("round %d refused: %s; nothing released, the release logged ahead stays accounted", t, err)
+            return self._record, MetricRecord({**aborted, **self._epsilon_metrics(), "secagg_aborted": 0.0,
+                                               "secagg_integrity_refused": 1.0,
+                                               "secagg_survivors": float(len(agg.survivors))})
+        return self._finish(agg, released, diagnostics, {"secagg_aborted": 0.0, "secagg_integrity_refused": 0.0,
+                                                         "secagg_survivors": float(len(agg.survivors))})
 
     def _rotation_seed(self, t: int) -> int:
         """The round's public rotation seed: from the OS, or (a seeded simulation) from the seed and the round."""

@@ -8,7 +8,8 @@ cannot top up a dropped client's share (noise the server draws protects nobody f
 
 with :math:`S'_t` the clients whose masked share reached the server (survivors): the event is logged ahead, once the
 survivors are known and before the unmasking reveals their sum, with the noise they actually added
-(:meth:`SkellamMechanism.release_event`). ``m`` stays the divisor (invariant 2).
+(:meth:`SkellamMechanism.release_event`). ``m`` stays the divisor (invariant 2). A sum larger than its survivors'
+honest uploads could make it is refused after that log (:meth:`SecureSum.release`): the release stays accounted.
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ class SecureSum(PrivateSum):
         """Nothing to draw: the noise is the clients'."""
 
     def release(self, noise: NoiseStream) -> torch.Tensor:
-        """Unmask, decode and divide by ``m``: the only value that leaves the mechanism."""
+        """Unmask, check the sum's norm against what its survivors could have made it (else
+        :class:`~fedprivacy.privacy.skellam.IntegrityCheckFailed`: nothing is released), decode and divide by ``m``:
+        the only value that leaves the mechanism."""
         assert self.unmask is not None, "the protocol sets unmask before the release"
         modulus = np.uint64(self.params.modulus - 1)
         clear = (self.masked_sum - self.unmask().astype(np.uint64)) & modulus
+        self.params.check_integrity(clear, len(self.survivors))
         return self.params.decode(clear, self.rotation_seed).to(self._sum.device).div_(self.expected_cohort)
 
 

@@ -30,6 +30,10 @@ Kairouz et al.'s bound with :math:`\beta = e^{-1/2}` (their conditional rounding
 (an integer vector has :math:`|v_j| \le v_j^2`). The rounding ENFORCES :math:`\lVert\tilde y\rVert_2 \le \Delta_2`
 (it redraws), so the bound is a sensitivity, not a high-probability statement.
 
+Integrity (:meth:`SkellamParams.check_integrity`): the server refuses a decoded sum larger than ``n`` honest
+clients' can be with probability :math:`\ge 1 - 10^{-9}`, which catches gross tampering (a wrap of many
+coordinates) but not a malicious client's contribution up to :meth:`SkellamParams.undetected_norm`.
+
 Accounting: :mod:`.skellam_accounting` (:class:`~fedprivacy.privacy.skellam_accounting.SkellamRound`, RDP of the
 Skellam mechanism with Poisson amplification).
 """
@@ -53,8 +57,14 @@ BETA = math.exp(-0.5)
 """Kairouz et al.'s rounding bound parameter (TFF's default): the rounding is redrawn with probability <= beta."""
 MAX_ROUNDING_TRIES = 1000
 """Redraws of the conditional rounding before giving up (each succeeds with probability >= 1 - beta)."""
+FALSE_ALARM = 1e-9
+"""The probability that :meth:`SkellamParams.check_integrity` refuses a round of honest clients (at most)."""
 MIN_BITS, MAX_BITS = 8, 32
 """The modulus bit widths accepted (shares are held as uint32 and travel packed, ``b`` bits each)."""
+
+
+class IntegrityCheckFailed(RuntimeError):
+    """The decoded sum is larger than the round's honest clients could have made it (some upload was tampered with)."""
 
 
 def _fwht_(x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +106,59 @@ def rounded_l2_bound(scaled_clip: float, padded_dim: int, beta: float = BETA) ->
         return loose
     tight = scaled_clip ** 2 + padded_dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (scaled_clip + math.sqrt(padded_dim) / 2)
     return min(loose, math.sqrt(tight))
+
+
+def skellam_tail(variance: float, p: float) -> float:
+    r"""A ``t`` with :math:`P(\mathrm{Sk}(\lambda) \ge t) \le p`, ``variance`` :math:`\lambda`, by Chernoff's bound
+    with the Skellam log-MGF :math:`\lambda(\cosh\theta - 1)` at :math:`\theta = \operatorname{asinh}(t/\lambda)`:
+
+    .. math:: P(\mathrm{Sk}(\lambda) \ge t) \le e^{-I(t)}, \qquad
+              I(t) = t \operatorname{asinh}(t/\lambda) - \sqrt{\lambda^2 + t^2} + \lambda,
+
+    solved for :math:`I(t) = \log(1/p)` (``I`` increases from 0); 0 without noise."""
+    if variance <= 0:
+        return 0.0
+    target = math.log(1 / p)
+
+    def rate(t: float) -> float:  # I(t) - log(1/p), with sqrt(l^2 + t^2) - l written without the cancellation
+        return t * math.asinh(t / variance) - t * t / (math.sqrt(variance * variance + t * t) + variance) - target
+
+    low, high = 0.0, math.sqrt(2 * variance * target) + target
+    while rate(high) < 0:
+        low, high = high, 2 * high
+    for _ in range(60):  # bisection, keeping rate(high) >= 0: the returned t is never below the solution
+        middle = (low + high) / 2
+        low, high = (middle, high) if rate(middle) < 0 else (low, middle)
+    return high
+
+
+def skellam_square_norm_bound(variance: float, dim: int, p: float) -> float:
+    r"""A ``u`` with :math:`P(\lVert e\rVert_2^2 > u) \le p` for ``dim`` iid :math:`e_j \sim \mathrm{Sk}(\lambda)`.
+
+    :math:`e_j^2` has no moment generating function (Poisson tails are heavier than Gaussian ones), so truncate:
+    with :math:`T` = :func:`skellam_tail` at :math:`p / (4D)`, :math:`P(\max_j |e_j| > T) \le 2D \cdot p/(4D) = p/2`
+    (symmetry and a union bound). Otherwise :math:`\lVert e\rVert^2 = \sum_j X_j` with
+    :math:`X_j = e_j^2 1\{|e_j| \le T\} \in [0, T^2]`, :math:`E X_j \le \lambda` and
+    :math:`\operatorname{Var} X_j \le E e_j^4 = 3\lambda^2 + \lambda` (Skellam's cumulants
+    :math:`\kappa_2 = \kappa_4 = \lambda`), and Bernstein's inequality gives
+    :math:`P(\sum_j X_j \ge D\lambda + t) \le \exp(-t^2 / (2 D (3\lambda^2 + \lambda) + 2T^2 t/3)) = p/2` at
+
+    .. math:: t = \frac{T^2 L}{3} + \sqrt{\Big(\frac{T^2 L}{3}\Big)^2 + 2 D (3\lambda^2 + \lambda) L},
+              \qquad L = \log(2/p).
+    """
+    if variance <= 0:
+        return 0.0
+    cap = skellam_tail(variance, p / (4 * dim)) ** 2
+    log_term = math.log(2 / p)
+    linear = cap * log_term / 3
+    return dim * variance + linear + math.sqrt(linear * linear + 2 * dim * (3 * variance ** 2 + variance) * log_term)
+
+
+def signed(modular_sum: np.ndarray, bits: int) -> np.ndarray:
+    """The representative in :math:`[-2^{b-1}, 2^{b-1})` of each value modulo ``2^bits`` (int64)."""
+    values = np.asarray(modular_sum, dtype=np.int64) & ((1 << bits) - 1)
+    values[values >= 1 << (bits - 1)] -= 1 << bits
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +266,56 @@ class SkellamParams:
 
     def decode(self, modular_sum: np.ndarray, rotation_seed: int) -> torch.Tensor:
         """The sum of the clients' shares, back in model units (float32, length ``dim``), from its value mod 2^b."""
-        signed = np.asarray(modular_sum, dtype=np.int64) & (self.modulus - 1)
-        signed[signed >= self.modulus // 2] -= self.modulus
-        return unrotate(torch.from_numpy(signed.astype(np.float64) / self.scale), rotation_seed, self.dim).float()
+        values = signed(modular_sum, self.bits).astype(np.float64) / self.scale
+        return unrotate(torch.from_numpy(values), rotation_seed, self.dim).float()
+
+    def integrity_bound(self, shares: int) -> float:
+        r"""An upper bound, exceeded with probability at most :data:`FALSE_ALARM`, on the L2 norm of the signed
+        decoded sum :math:`r` (integers, rotated and scaled) of ``shares`` = n honest clients:
+
+        .. math:: \lVert r\rVert_2^2 \le B^2 = R^2 + 2R\,t_1 + u, \qquad R = n\Delta_2.
+
+        Derivation: :math:`r_j = \operatorname{wrap}(S_j + e_j)` with :math:`S = \sum_i \tilde y_i` the rounded
+        vectors' sum, :math:`\lVert S\rVert \le R` (the rounding enforces :math:`\Delta_2` per client), and
+        :math:`e \sim \mathrm{Sk}(\lambda)^D`, :math:`\lambda = n\mu/m` (the survivors' shares), independent of
+        ``S`` (each client draws its noise apart from its rounding). The signed mapping never increases a
+        magnitude: :math:`|\operatorname{wrap}(x)| = |x|` for :math:`x \in [-2^{b-1}, 2^{b-1})`, else
+        :math:`|\operatorname{wrap}(x)| \le 2^{b-1} \le |x|`; so honest wraps only shrink :math:`\lVert r\rVert`
+        below :math:`\lVert S + e\rVert`, and :math:`\lVert S + e\rVert^2 = \lVert S\rVert^2 + 2\langle S,
+        e\rangle + \lVert e\rVert^2` with
+
+        - :math:`\langle S, e\rangle \le R\,t_1` with probability :math:`\ge 1 - p/2`, :math:`t_1` =
+          :func:`skellam_tail` at :math:`p/2`: :math:`\log E e^{\theta\langle S, e\rangle} = \lambda\sum_j
+          (\cosh\theta S_j - 1) \le \lambda(\cosh\theta R - 1)` (expand cosh; :math:`\sum_j S_j^{2k} \le
+          \lVert S\rVert^{2k}`), the log-MGF of :math:`R\,\mathrm{Sk}(\lambda)`, so Chernoff's bound is the same;
+        - :math:`\lVert e\rVert^2 \le u` = :func:`skellam_square_norm_bound` at :math:`p/2`,
+
+        with :math:`p` = :data:`FALSE_ALARM`. Without noise (z = 0) it is the deterministic :math:`R`."""
+        reach = shares * self.l2_sensitivity
+        variance = shares * self.share_variance
+        noise = skellam_tail(variance, FALSE_ALARM / 2)
+        square = skellam_square_norm_bound(variance, self.padded_dim, FALSE_ALARM / 2)
+        return math.sqrt(reach * reach + 2 * reach * noise + square)
+
+    def check_integrity(self, modular_sum: np.ndarray, shares: int) -> None:
+        """Raise :class:`IntegrityCheckFailed` if the unmasked sum of ``shares`` uploads is larger than
+        :meth:`integrity_bound` (an honest round fails with probability at most :data:`FALSE_ALARM`)."""
+        values = signed(modular_sum, self.bits).astype(np.float64)
+        norm, bound = math.sqrt(float(np.dot(values, values))), self.integrity_bound(shares)
+        if norm > bound:
+            raise IntegrityCheckFailed(f"the decoded sum of {shares} uploads has norm {norm / self.scale:.6g}, above "
+                                       f"the bound {bound / self.scale:.6g} that honest clients exceed with probability "
+                                       f"<= {FALSE_ALARM:g} (model units): an upload was tampered with")
+
+    def undetected_norm(self, shares: int) -> float:
+        """How large a contribution (model units, L2) one malicious client among ``shares`` can add and pass
+        :meth:`check_integrity`, typically: it uploads its vector instead of its noise share, the honest clients
+        send nothing (the most room) and the others' noise has its mean squared norm
+        :math:`(n-1) D \mu/m`, so :math:`\lVert a\rVert^2 \lesssim B^2 - (n-1) D\mu/m` (the cross terms have mean 0).
+        The signal of honest clients of norm ``S`` (scaled) takes :math:`S^2` off; a client that adds its share
+        takes another :math:`D\mu/m` off."""
+        room = self.integrity_bound(shares) ** 2 - (shares - 1) * self.padded_dim * self.share_variance
+        return math.sqrt(room) / self.scale
 
     def rounding_error_bound(self, clients: int) -> float:
         """An upper bound on the L2 distance between the decoded sum and the exact sum of ``clients`` clipped
