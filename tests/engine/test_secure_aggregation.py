@@ -3,21 +3,23 @@ items 1, 2 and 4): what the server holds, exactness of the unmasked sum, z = 0 a
 noise std, dropouts accounted with the survivors' noise, and clean failure below the threshold."""
 
 import logging
+import re
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from scipy import stats
 
 from fedprivacy.engines.inprocess import InProcessGrid
-from fedprivacy.fl.bit_packing import packed_size, unpack_bits
+from fedprivacy.fl.bit_packing import pack_bits, packed_size, unpack_bits
 from fedprivacy.fl import secure_aggregation as secagg
 from fedprivacy.fl.secure_aggregation import SECAGG, SecureAggregation, secure_aggregation_mod
 from fedprivacy.fl.strategy import DPFedAvg
-from fedprivacy.privacy.skellam import SkellamParams
+from fedprivacy.privacy.release_log import ReleaseLog
+from fedprivacy.privacy.skellam import SkellamParams, signed
 from fedprivacy.privacy.skellam_accounting import SkellamRound
 
 from test_strategy import _flat, _model, _plain_client_app  # this folder is on sys.path (pytest's rootdir mode)
@@ -235,3 +237,94 @@ def test_a_crash_after_a_logged_release_with_a_dropout_resumes_with_that_release
     with pytest.raises(Exception, match="secure_aggregation"):  # another mechanism on this state is refused
         DPFedAvg(noise_multiplier=1.0, clip_norm=C, expected_cohort=N, population=N, placement="distributed",
                  state_dir=tmp_path)
+
+
+# --- a malicious client's modular wrap (issue "Hardening III") ------------------------------------------------
+
+def _tampering_client(z: float, tamper) -> ClientApp:
+    """Honest clients, except that node partition 0 adds ``tamper(values)`` (uint32, length D) to its masked upload
+    after the SecAgg+ mod packed it: what a malicious client can send."""
+    def mod(msg: Message, context: Context, call_next):
+        reply = call_next(msg, context)
+        if (secagg.is_secagg(msg) and msg.content.config_records[SECAGG]["stage"] == "collect"
+                and int(context.node_config["partition-id"]) == 0):
+            packed = reply.content.array_records[SECAGG]["masked"].numpy()
+            size = len(packed) * 8 // BITS
+            values = unpack_bits(packed, size, BITS) + tamper(size)
+            reply.content = RecordDict({SECAGG: ArrayRecord({"masked": Array(pack_bits(values & (2 ** BITS - 1), BITS))})})
+        return reply
+
+    return _plain_client_app(mods=[mod, secure_aggregation_mod(noise_multiplier=z, clip_norm=C, expected_cohort=N,
+                                                               bits=BITS)])
+
+
+def _wrap(coordinates):
+    """``2^(b-1) - 1`` added to the given coordinates of the upload: each decodes about 2^(b-1) away."""
+    def tamper(size: int) -> np.ndarray:
+        added = np.zeros(size, dtype=np.uint32)
+        added[coordinates] = 2 ** (BITS - 1) - 1
+        return added
+
+    return tamper
+
+
+def _recording_release(monkeypatch) -> list[np.ndarray]:
+    """The unmasked modular sums the server decodes and the sums of the shares the clients encoded, in turn."""
+    seen: list[np.ndarray] = []
+    encode, check = SkellamParams.encode, SkellamParams.check_integrity
+    shares: list[np.ndarray] = []
+
+    def recording_encode(self, *args):
+        shares.append(encode(self, *args).copy())
+        return shares[-1].copy()
+
+    def recording_check(self, modular_sum, n):
+        seen.extend([modular_sum.copy(), np.sum([s.astype(np.uint64) for s in shares], axis=0) & np.uint64(self.modulus - 1)])
+        return check(self, modular_sum, n)
+
+    monkeypatch.setattr(SkellamParams, "encode", recording_encode)
+    monkeypatch.setattr(SkellamParams, "check_integrity", recording_check)
+    return seen
+
+
+def test_a_single_coordinate_wrap_by_a_malicious_client_passes_the_check_within_its_measured_slack(monkeypatch, caplog):
+    """The attack: one coordinate of one client's masked upload + 2^(b-1) - 1. It moves the decoded sum by about
+    4 z C (2^(b-1) / s; measured 4.002 C), far inside what the L2 check must let through (``undetected_norm``:
+    90.6 C here, D = 2^15, bound 188 C): the
+    round is released, as DEPLOYMENT.md says. Per-client range proofs would be needed to catch it."""
+    strategy = _strategy(z=1.0)
+    seen = _recording_release(monkeypatch)
+    with caplog.at_level(logging.ERROR):
+        result, _ = _run(strategy, _tampering_client(1.0, _wrap([0])))
+    tampered, honest = seen
+    params = strategy.mechanism.params()
+    change = (signed(tampered, BITS) - signed(honest, BITS)).astype(np.float64)
+    moved = float(np.linalg.norm(change)) / params.scale  # in model units (the rotation back is orthogonal)
+    assert int(np.count_nonzero(change)) == 1 and 3.9 * C < moved < 4.1 * C
+    assert moved < params.undetected_norm(N) / 10
+    assert result.train_metrics_clientapp[1]["secagg_integrity_refused"] == 0.0
+    assert not any(r.levelname == "ERROR" for r in caplog.records)
+
+
+@pytest.mark.parametrize("spread", ["every", "beyond_the_slack"])
+def test_a_wrap_beyond_the_slack_is_refused_logged_counted_and_stays_accounted(spread, caplog, tmp_path):
+    """The wrap on every coordinate, or on just enough of them to exceed twice the slack: the round is refused,
+    one ERROR line names the round, the norm and the bound, the metrics count it, the model does not move, and
+    the release logged ahead stays in the ledger and in the release log."""
+    strategy = _strategy(z=1.0, state_dir=tmp_path)
+    dim = _flat(ArrayRecord(_model().state_dict())).numel()
+    params = SkellamParams(dim=dim, clip_norm=C, noise_multiplier=1.0, expected_cohort=N, bits=BITS)
+    count = params.padded_dim if spread == "every" else int(np.ceil(
+        (2 * params.undetected_norm(N) * params.scale / 2 ** (BITS - 1)) ** 2))
+    assert count < params.padded_dim or spread == "every"
+    with caplog.at_level(logging.ERROR):
+        result, _ = _run(strategy, _tampering_client(1.0, _wrap(slice(0, count))))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "round 1 refused" in errors[0], errors
+    assert re.search(r"has norm [\d.e+]+, above the bound [\d.e+]+", errors[0])
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg_integrity_refused"] == 1.0 and metrics["secagg_survivors"] == N
+    assert torch.equal(_flat(result.arrays), _flat(ArrayRecord(_model().state_dict())))  # nothing released
+    (event, times), = strategy.mechanism.ledger.entries
+    assert times == 1 and event.variance == pytest.approx(N * params.share_variance)
+    assert [e["event"] for e in ReleaseLog(tmp_path).entries] == [event]  # durable too
