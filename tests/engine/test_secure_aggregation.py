@@ -290,8 +290,8 @@ def _recording_release(monkeypatch) -> list[np.ndarray]:
 def test_a_single_coordinate_wrap_by_a_malicious_client_passes_the_check_within_its_measured_slack(monkeypatch, caplog):
     """The attack: one coordinate of one client's masked upload + 2^(b-1) - 1. It moves the decoded sum by about
     4 z C (2^(b-1) / s; measured 4.002 C), far inside what the L2 check must let through (``undetected_norm``:
-    90.6 C here, D = 2^15, bound 188 C): the
-    round is released, as DEPLOYMENT.md says. Per-client range proofs would be needed to catch it."""
+    90.6 C here, D = 2^15, bound 188 C): the round is released, as DEPLOYMENT.md says. Per-client range proofs
+    would be needed to catch it."""
     strategy = _strategy(z=1.0)
     seen = _recording_release(monkeypatch)
     with caplog.at_level(logging.ERROR):
