@@ -41,6 +41,13 @@ MUTATIONS = [
  ("fedprivacy/fl/secure_aggregation.py", "        masked += pair if nid > j else -pair", "        masked += pair", "tests/engine/test_secure_aggregation.py -k shares_sum_exactly"),
  ("fedprivacy/fl/secure_aggregation.py", "    if set(active) & set(dropped) or not", "    if not", "tests/engine/test_secure_aggregation.py -k reveal_both"),
  ("fedprivacy/privacy/secure_mechanism.py", "worst = self.params().event(self.min_shares,", "worst = self.params().event(self.expected_cohort,", "tests/engine/test_secure_run.py -k never_exceeds"),
+ # hardening III: a malicious client's modular wrap (decode-side integrity check)
+ ("fedprivacy/privacy/secure_mechanism.py", "        self.params.check_integrity(clear, len(self.survivors))\n", "", "tests/engine/test_secure_aggregation.py -k beyond_the_slack"),
+ ("fedprivacy/privacy/skellam.py", "    if norm > bound:\n", "    if norm > 10 * bound:\n", "tests/privacy/test_skellam.py -k refuses_a_sum_beyond"),
+ ("fedprivacy/privacy/skellam.py", "reach = shares * self.l2_sensitivity", "reach = 0.0", "tests/privacy/test_skellam.py -k honest_rounds_are_never_refused"),
+ ("fedprivacy/privacy/skellam.py", "2 * reach * noise + square)", "2 * reach * noise + self.padded_dim * variance)", "tests/privacy/test_skellam.py -k honest_rounds_are_never_refused"),
+ ("fedprivacy/privacy/skellam.py", "reach * reach + 2 * reach * noise + square", "reach * reach + square", "tests/privacy/test_skellam.py -k honest_rounds_are_never_refused"),
+ ("fedprivacy/privacy/skellam.py", "cap = skellam_tail(variance, p / (4 * dim)) ** 2", "cap = 0.0", "tests/privacy/test_skellam.py -k square_norm_bound_holds"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)
