@@ -129,8 +129,9 @@ class SkellamMechanism(GaussianMechanism):
                          expected_cohort=float(self.expected_cohort), device=self.device)
 
     def release(self, agg: PrivateSum, round_: int) -> Release:
-        """:meth:`GaussianMechanism.release`; if the unmasking fails after the release was logged ahead, the release
-        stays accounted (the server held the masked uploads: over-count, never under-count)."""
+        """:meth:`GaussianMechanism.release`; if the unmasking fails or the sum is refused after the release was
+        logged ahead, the release stays accounted (the server held the masked uploads: over-count, never
+        under-count)."""
         try:
             return super().release(agg, round_)
         except Exception:
