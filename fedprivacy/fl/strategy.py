@@ -401,8 +401,8 @@ class DPFedAvg(Strategy):
             return self._record, MetricRecord({**aborted, **self._epsilon_metrics(), "secagg_aborted": 0.0,
                                                "secagg_integrity_refused": 1.0,
                                                "secagg_survivors": float(len(agg.survivors))})
-        return self._finish(agg, released, diagnostics, {"secagg_aborted": 0.0, "secagg_integrity_refused": 0.0,
-                                                         "secagg_survivors": float(len(agg.survivors))})
+        return self._finish(agg, released, diagnostics,
+                            {"secagg_aborted": 0.0, "secagg_survivors": float(len(agg.survivors))})
 
     def _rotation_seed(self, t: int) -> int:
         """The round's public rotation seed: from the OS, or (a seeded simulation) from the seed and the round."""
