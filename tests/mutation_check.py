@@ -41,6 +41,13 @@ MUTATIONS = [
  ("fedprivacy/fl/secure_aggregation.py", "        masked += pair if nid > j else -pair", "        masked += pair", "tests/engine/test_secure_aggregation.py -k shares_sum_exactly"),
  ("fedprivacy/fl/secure_aggregation.py", "    if set(active) & set(dropped) or not", "    if not", "tests/engine/test_secure_aggregation.py -k reveal_both"),
  ("fedprivacy/privacy/secure_mechanism.py", "worst = self.params().event(self.min_shares,", "worst = self.params().event(self.expected_cohort,", "tests/engine/test_secure_run.py -k never_exceeds"),
+ # hardening III: a deployed client guarantees its own noise (its node config's noise floor)
+ ("fedprivacy/fl/noise_floor.py", "z != \"auto\" and z >= floor.noise_multiplier)", "z != \"auto\" and z >= floor.noise_multiplier / 64)", "tests/engine/test_noise_floor.py -k less_noise"),
+ ("fedprivacy/fl/noise_floor.py", "privacy.expected_cohort <= floor.expected_cohort)", "privacy.expected_cohort <= floor.expected_cohort + 1)", "tests/engine/test_noise_floor.py -k less_noise"),
+ ("fedprivacy/fl/noise_floor.py", "secure.bits >= floor.bits)", "secure.bits >= floor.bits - 1)", "tests/engine/test_noise_floor.py -k fewer_bits"),
+ ("fedprivacy/fl/noise_floor.py", "    if privacy.placement == \"central\":\n        return\n", "    if privacy.placement != \"distributed\":\n        return\n", "tests/engine/test_noise_floor.py -k without_a_floor"),
+ ("fedprivacy/fl/client_app.py", "            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)\n", "            pass\n", "tests/engine/test_noise_floor.py -k strategy_round"),
+ ("fedprivacy/deploy/local.py", "extra_node_config=floor)", ")", "tests/deploy/test_deploy_units.py -k noise_floor"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)

@@ -141,7 +141,7 @@ def test_the_client_clips_at_the_requested_c_it_sizes_its_noise_for(deployed, mo
 def test_a_strategy_round_drops_the_client_whose_floor_refuses_and_completes_with_the_others(deployed, caplog):
     cfg = deployed()
     strategy = DPFedAvg(noise_multiplier=Z, clip_norm=C, expected_cohort=M, population=M, sampling="fixed",
-                        placement="distributed")
+                        placement="distributed", delta=1e-3)
     grid = _grid(cfg, lambda p: {**FLOOR, NOISE_MULTIPLIER_KEY: 2 * Z} if p == 3 else FLOOR, nodes=M)
     start = model_to_record(load_task(cfg.data).new_model())
     app, out = ServerApp(), {}
