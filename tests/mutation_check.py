@@ -45,6 +45,7 @@ MUTATIONS = [
  ("fedprivacy/fl/noise_floor.py", "z != \"auto\" and z >= floor.noise_multiplier)", "z != \"auto\" and z >= floor.noise_multiplier / 64)", "tests/engine/test_noise_floor.py -k less_noise"),
  ("fedprivacy/fl/noise_floor.py", "privacy.expected_cohort <= floor.expected_cohort)", "privacy.expected_cohort <= floor.expected_cohort + 1)", "tests/engine/test_noise_floor.py -k less_noise"),
  ("fedprivacy/fl/noise_floor.py", "secure.bits >= floor.bits)", "secure.bits >= floor.bits - 1)", "tests/engine/test_noise_floor.py -k fewer_bits"),
+ ("fedprivacy/fl/noise_floor.py", "secure.bits >= floor.bits)", "secure.bits >= floor.bits - 1)", "tests/engine/test_noise_floor.py -k whatever_the_rule_accepts"),
  ("fedprivacy/fl/noise_floor.py", "    if privacy.placement == \"central\":\n        return\n", "    if privacy.placement != \"distributed\":\n        return\n", "tests/engine/test_noise_floor.py -k without_a_floor"),
  ("fedprivacy/fl/client_app.py", "            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)\n", "            pass\n", "tests/engine/test_noise_floor.py -k strategy_round"),
  ("fedprivacy/deploy/local.py", "extra_node_config=floor)", ")", "tests/deploy/test_deploy_units.py -k noise_floor"),

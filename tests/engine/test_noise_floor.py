@@ -10,10 +10,11 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from fedprivacy.client.trainer import LocalResult
+from fedprivacy.config import PrivacyConfig
 from fedprivacy.engines.inprocess import InProcessGrid
 from fedprivacy.fl import client_app
 from fedprivacy.fl.client_app import build_client_app
@@ -193,23 +194,36 @@ def test_a_deployment_writes_its_own_settings_as_each_supernodes_floor(small_con
         enforce(NoiseFloor.from_node_config(floor_node_config(privacy)), privacy)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(z_min=st.floats(0.05, 20), m_max=st.integers(1, 200), b_min=st.integers(MIN_BITS, MAX_BITS),
-       dz=st.floats(1.0, 4.0), dm=st.integers(0, 200), db=st.integers(0, 24), dim=st.integers(1, 2 ** 22),
+       dz=st.one_of(st.just(1.0), st.floats(0.95, 1.05), st.floats(0.5, 4.0)), dm=st.one_of(st.integers(-2, 2), st.integers(-200, 20)),
+       db=st.one_of(st.integers(-1, 1), st.integers(-4, 24)), dim=st.integers(1, 2 ** 22),
        c_floor=st.floats(1e-3, 1e3), c_asked=st.floats(1e-3, 1e3), shares=st.integers(1, 200),
        order=st.sampled_from([2, 3, 8, 32, 256]))
-def test_settings_the_rule_accepts_keep_each_shares_privacy_at_least_the_floors(z_min, m_max, b_min, dz, dm, db, dim,
-                                                                                c_floor, c_asked, shares, order):
-    """What the rule claims (fedprivacy/fl/noise_floor.py): z >= z_min, m <= m_max and b >= b_min, with ANY clip
-    norms, give a Gaussian share of noise multiplier z / sqrt(m) >= z_min / sqrt(m_max), and a Skellam share whose
-    RDP bound (Agarwal et al. Thm. 3.5), at any order and for any number of surviving shares, is at most the
-    floor's at the same model dimension."""
-    z, m, b = z_min * dz, max(1, m_max - dm), min(MAX_BITS, b_min + db)
+@example(z_min=1.0, m_max=100, b_min=16, dz=1.0, dm=0, db=-1, dim=2 ** 20, c_floor=1.0, c_asked=1.0, shares=100, order=32)
+@example(z_min=1.0, m_max=100, b_min=16, dz=1.0, dm=1, db=0, dim=2 ** 20, c_floor=1.0, c_asked=1.0, shares=100, order=32)
+@example(z_min=1.0, m_max=100, b_min=16, dz=0.99, dm=0, db=0, dim=2 ** 20, c_floor=1.0, c_asked=1.0, shares=100, order=32)
+def test_whatever_the_rule_accepts_keeps_each_share_at_least_as_private_as_the_floors(
+        z_min, m_max, b_min, dz, dm, db, dim, c_floor, c_asked, shares, order):
+    """What the rule claims (fedprivacy/fl/noise_floor.py): settings :func:`enforce` accepts, with ANY clip norms,
+    give a Gaussian share of noise multiplier z / sqrt(m) >= z_min / sqrt(m_max), and a Skellam share whose RDP bound
+    (Agarwal et al. Thm. 3.5), at any order and for any number of surviving shares, is at most the floor's at the
+    same model dimension."""
+    z, m, b = z_min * dz, max(1, m_max + dm), max(MIN_BITS, min(MAX_BITS, b_min + db))
+    privacy = PrivacyConfig.model_validate({
+        "placement": "distributed", "sampling": "poisson", "budget_accountant": "rdp", "accountants": ["rdp"],
+        "noise_multiplier": z, "clip_norm": c_asked, "expected_cohort": m,
+        "secure_aggregation": {"threshold": 2, "neighbours": 3, "bits": b}})
+    try:
+        enforce(NoiseFloor(z_min, m_max, b_min), privacy)
+    except NoiseFloorError:
+        assert z < z_min or m > m_max or b < b_min  # refused only for a setting below its floor
+        return
     assert z / math.sqrt(m) >= z_min / math.sqrt(m_max)
     try:
         floor = SkellamParams(dim=dim, clip_norm=c_floor, noise_multiplier=z_min, expected_cohort=m_max, bits=b_min)
     except ValueError:  # bits too few for the cohort: no floor mechanism to compare with
-        assume(False)
+        return
     asked = SkellamParams(dim=dim, clip_norm=c_asked, noise_multiplier=z, expected_cohort=m, bits=b)
 
     def rdp(p: SkellamParams) -> float:
