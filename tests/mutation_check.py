@@ -48,6 +48,7 @@ MUTATIONS = [
  ("fedprivacy/fl/noise_floor.py", "secure.bits >= floor.bits)", "secure.bits >= floor.bits - 1)", "tests/engine/test_noise_floor.py -k whatever_the_rule_accepts"),
  ("fedprivacy/fl/noise_floor.py", "    if privacy.placement == \"central\":\n        return\n", "    if privacy.placement != \"distributed\":\n        return\n", "tests/engine/test_noise_floor.py -k without_a_floor"),
  ("fedprivacy/fl/client_app.py", "            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)\n", "            pass\n", "tests/engine/test_noise_floor.py -k strategy_round"),
+ ("fedprivacy/fl/client_app.py", "            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)\n", "            pass\n", "tests/engine/test_noise_floor.py -k secure_aggregation_round"),
  ("fedprivacy/deploy/local.py", "extra_node_config=floor)", ")", "tests/deploy/test_deploy_units.py -k noise_floor"),
 ]
 for path, old, new, test in MUTATIONS:

@@ -21,7 +21,7 @@ from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.noise_floor import (BITS_KEY, EXPECTED_COHORT_KEY, NODE_KEYS, NOISE_MULTIPLIER_KEY, NoiseFloor,
                                        NoiseFloorError, enforce, floor_node_config)
 from fedprivacy.fl.records import model_to_record
-from fedprivacy.fl.secure_aggregation import SECAGG
+from fedprivacy.fl.secure_aggregation import SECAGG, SecureAggregation
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.privacy.skellam import MAX_BITS, MIN_BITS, SkellamParams
 from fedprivacy.privacy.skellam_accounting import _skellam_rdp
@@ -159,6 +159,26 @@ def test_a_strategy_round_drops_the_client_whose_floor_refuses_and_completes_wit
     metrics = out["result"].train_metrics_clientapp[1]
     assert (metrics["cohort_accepted"], metrics["rejected_failed"], strategy.mechanism.ledger.rounds) == (M - 1, 1, 1)
     assert metrics["server_noise_std"] == pytest.approx(Z * C * math.sqrt(1 / M))  # the missing share, topped up
+
+
+def test_a_secure_aggregation_round_completes_without_the_client_whose_bits_floor_refuses(deployed):
+    secure = SecureAggregation(threshold=2, neighbours=3, bits=20)
+    cfg = deployed("privacy.sampling=poisson", "privacy.budget_accountant=rdp", "privacy.accountants=[rdp]",
+                   "privacy.expected_cohort=4", "privacy.secure_aggregation={threshold: 2, neighbours: 3, bits: 20}")
+    strategy = DPFedAvg(noise_multiplier=Z, clip_norm=C, expected_cohort=4, population=4, placement="distributed",
+                        secure_aggregation=secure, delta=1e-3, accountants=("rdp",), budget_accountant="rdp")
+    grid = _grid(cfg, lambda p: {**FLOOR, EXPECTED_COHORT_KEY: 4, BITS_KEY: 24 if p == 1 else 20}, nodes=4)
+    start = model_to_record(load_task(cfg.data).new_model())
+    app, out = ServerApp(), {}
+
+    @app.main()
+    def main(g: Grid, context: Context) -> None:
+        out["result"] = strategy.start(grid=g, initial_arrays=start, num_rounds=1)
+
+    with grid:
+        app(grid, Context(run_id=grid.run.run_id, node_id=1, node_config={}, state=RecordDict(), run_config={}))
+    metrics = out["result"].train_metrics_clientapp[1]
+    assert (metrics["secagg_aborted"], metrics["secagg_survivors"], strategy.mechanism.ledger.rounds) == (0, 3, 1)
 
 
 # -- the rule ---------------------------------------------------------------------------------------------------
