@@ -568,16 +568,20 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     (its clients are dropouts until it is restarted), ``restart`` (start it again; it rejoins with the
     same node id) or ``abort`` (stop the deployment). The SuperLink exiting always aborts.
     ``reproducible`` keeps the server's noise and cohort seeded, ``secure_aggregation`` runs SecAgg+ with
-    distributed Skellam noise (see :func:`deployment_config`).
+    distributed Skellam noise (see :func:`deployment_config`). Under a client-side placement each SuperNode's
+    node config sets its noise floor to the deployed config's own settings
+    (:func:`~fedprivacy.fl.noise_floor.floor_node_config`), so a deployed client trains only at that noise or more.
     ``on_round(deployment, row)`` is called after each round's metrics row appears (tests use it to
     kill and restart SuperNodes).
     """
+    from fedprivacy.fl.noise_floor import floor_node_config
     from fedprivacy.outputs import CHECKPOINT, RunExistsError
     from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     ensure_data(cfg.data)
     population = load_task(cfg.data).population
     run_cfg = deployment_config(cfg, supernodes, population, reproducible, secure_aggregation)
+    floor = floor_node_config(run_cfg.privacy)
     out = Path(run_cfg.output_dir)
     if (out / CHECKPOINT).exists() and not resume:
         raise RunExistsError(f"{out} already holds a run ({CHECKPOINT}); pass --resume to continue it "
@@ -591,7 +595,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     metrics_path = out / "metrics.csv"
     seen = len(_read_rows(metrics_path)) if resume else 0
     started = time.time()
-    deployment = LocalDeployment(workdir, n, secure=secure)
+    deployment = LocalDeployment(workdir, n, secure=secure, extra_node_config=floor)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         def _interrupt(signum: int, frame: object) -> None:

@@ -50,6 +50,7 @@ from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
 from fedprivacy.fl.mods import RESIDUAL_KEY, compressed_upload, noised_upload
+from fedprivacy.fl.noise_floor import NoiseFloor, enforce
 from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg
 from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
 from fedprivacy.fl.run_config import config_from_context
@@ -124,7 +125,10 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     only in a SIMULATION, i.e. an app bound to ``cfg`` by fedprivacy's own engines (in-process, Ray).
     The app that Flower loads on a real SuperNode (``cfg`` None, the config comes from the server)
     always draws it from the OS's cryptographic source: a seed the server knows, or could set,
-    would let the server subtract the noise that is meant to protect the client from it.
+    would let the server subtract the noise that is meant to protect the client from it. For the
+    same reason that app refuses to train under a client-side placement unless the server's noise
+    settings are at least the floor of its own node config (:mod:`fedprivacy.fl.noise_floor`): an
+    error reply, which the server counts as a dropout.
     """
     app = ClientApp(mods=mods)
     lookaheads = _LastDecoded()
@@ -137,6 +141,8 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         c = cfg if cfg is not None else config_from_context(context)[0]
+        if cfg is None:  # a deployed client: the server's noise settings, held against its own node config's floor
+            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)
         secagg = c.privacy.secure_aggregation
         if secagg is not None and is_secagg(msg):  # SecAgg+: the protocol's stages, training in its collect stage
             p, secret = c.privacy, c.privacy.secure_noise or cfg is None

@@ -111,3 +111,40 @@ def test_the_client_app_imports_no_server_side_or_record_level_dp_modules():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("overrides", "secure_aggregation", "floor"), [
+    ((), False, ""),
+    (("privacy.placement=local",), False, "noise-multiplier-floor=0.5"),
+    (("privacy.placement=distributed",), False, "noise-multiplier-floor=0.5 expected-cohort-ceiling=8"),
+    ((), True, "noise-multiplier-floor=0.5 expected-cohort-ceiling=8 bits-floor=20"),
+], ids=["central", "local", "distributed", "secure-aggregation"])
+def test_deploy_local_gives_each_supernode_the_runs_noise_floor_in_its_node_config(small_config, monkeypatch, tmp_path,
+                                                                                    overrides, secure_aggregation,
+                                                                                    floor):
+    """A deployed client refuses client-side noise settings below its node config's floor (fl/noise_floor.py):
+    ``fedprivacy deploy local`` sets that floor to the run's own settings, so its clients train."""
+    import yaml
+    from flwr.common.config import parse_config_args
+
+    from fedprivacy.deploy import local
+    from fedprivacy.fl.noise_floor import NoiseFloor, enforce
+
+    made = {}
+    real = local.LocalDeployment
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        made.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(local, "LocalDeployment", record)
+    cfg = small_config(*overrides)
+    with pytest.raises(Stop):
+        local.deploy_local(cfg, 8, secure=False, secure_aggregation=secure_aggregation, printer=lambda _: None)
+    line = real(tmp_path, 8, extra_node_config=made["extra_node_config"])._node_config(3)
+    assert line.startswith("partition-id=3 num-partitions=8 ") and line.endswith(floor) and ("floor" in line) == bool(floor)
+    deployed = build_config(yaml.safe_load((tmp_path / "run" / "deployment" / "config.yaml").read_text()))
+    enforce(NoiseFloor.from_node_config(parse_config_args([line])), deployed.privacy)  # the node trains at the run's noise
