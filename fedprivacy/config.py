@@ -666,6 +666,28 @@ class RunConfig(_Section):
         return self.model_dump_json()
 
 
+def plugins(cfg: RunConfig) -> dict[str, str]:
+    """The fields of ``cfg`` that name a plug-in, ``package.module:factory``, with their values: ``data.task`` (a
+    user's task) and ``privacy.noise_stream``. A run imports each such module and calls the factory: a config
+    file naming a plug-in runs that code."""
+    named = {"data.task": cfg.data.task, "privacy.noise_stream": cfg.privacy.noise_stream}
+    return {field: value for field, value in named.items() if value is not None and ":" in value}
+
+
+def check_plugins(cfg: RunConfig, allowed: bool, opt_in: str = "--allow-plugins") -> None:
+    """Refuse a config naming a plug-in (:func:`plugins`) unless its runner opted in (``allowed``; ``opt_in`` says
+    how). The opt-in is the runner's, never the file's: a file that could allow itself would allow anything.
+
+    Raises:
+        ConfigError: one line naming the field and the opt-in.
+    """
+    named = plugins(cfg)
+    if named and not allowed:
+        field, value = next(iter(named.items()))
+        raise ConfigError(f"{field}={value!r} names a plug-in: this config imports and runs that code; pass "
+                          f"{opt_in} to run a config you trust with it")
+
+
 def config_differences(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """Dotted field -> ``(old, new)`` for every value that differs between two config trees (dicts)."""
     if isinstance(old, dict) and isinstance(new, dict):
