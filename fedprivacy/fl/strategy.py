@@ -596,7 +596,7 @@ class DPFedAvg(Strategy):
         return out
 
 
-def _check_accounting(mechanism: GaussianMechanism, budget_accountant: str, accountants: Sequence[str],
+def _check_accounting(mechanism: GaussianMechanism, budget_accountant: AccountantKind, accountants: Sequence[str],
                       target_epsilon: float | None) -> None:
     """Refuse, naming the argument, what the first round or its budget check would fail on: an unknown accountant,
     a target that is not a number > 0 (NaN would never stop the run) and, under a target, a ``budget_accountant``
