@@ -90,17 +90,18 @@ def metrics_columns(columns: list[str], placement: str) -> dict[str, dict[str, A
 
 
 def noise_mechanism(name: str, stream: Any, *, noise_multiplier: float, clip_norm: float, sampling: str,
-                    groups: int) -> dict[str, Any]:
+                    groups: int, placement: str) -> dict[str, Any]:
     """``noise_mechanism.json``: the server's noise stream (``name``, as the settings name it), the run's z, C and
     schedule, and the stream's strategy (its ``describe_strategy()``: kind, coefficients, sensitivity ``s(C)``
     under the schedule; None for a stream that does not describe itself), so that a reader rebuilds ``C`` and
     checks the noise without the Python API (:mod:`fedprivacy.privacy.matrix_factorization`)."""
     describe = getattr(stream, "describe_strategy", None)
     return {"noise_stream": name, "noise_multiplier": noise_multiplier, "clip_norm": clip_norm, "sampling": sampling,
-            "groups": groups,
-            "release_noise": "release t adds z C s(C) (C^-1 w)_t with w ~ N(0, I) per coordinate (the tree: s(C) "
-                             "times the difference of the efficient prefix estimates P_t - P_(t-1) of its nodes); "
-                             "the strategy restarts every horizon releases",
+            "groups": groups, "placement": placement,
+            "release_noise": "central placement: release t adds z C s(C) (C^-1 w)_t with w ~ N(0, I) per coordinate "
+                             "(the tree: s(C) times the difference of the efficient prefix estimates P_t - P_(t-1) of "
+                             "its nodes; independent noise: C = I, s(C) = 1); the strategy restarts every horizon "
+                             "releases",
             "strategy": describe() if callable(describe) else None}
 
 

@@ -280,7 +280,8 @@ class DPFedAvgServer:
         m, p = self.strategy.mechanism, self.cfg.privacy
         self.outputs.write_json("noise_mechanism.json", noise_mechanism(
             stream_name(m.noise_stream), m.noise, noise_multiplier=m.noise_multiplier, clip_norm=p.clip_norm,
-            sampling=p.sampling, groups=p.groups))
+            sampling=p.sampling, groups=p.groups,
+            placement="secure aggregation (Skellam)" if p.secure_aggregation else p.placement))
         log.info("privacy: %s", self.privacy_claim())
         self._resume(checkpoint, grid)
         self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))

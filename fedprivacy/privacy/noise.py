@@ -120,7 +120,7 @@ class GaussianNoise:
 
     def describe_strategy(self) -> dict[str, Any]:
         """The strategy is the identity (``noise_mechanism.json``): every release's noise is its own draw."""
-        return {"kind": "independent", "strategy": "identity: independent N(0, z^2 C^2 I) on every release's sum"}
+        return {"kind": "independent", "strategy": "identity: every release's noise is independent of the others'"}
 
     def draw_id(self) -> str:
         """A fingerprint of the generator state the next draw starts from."""
