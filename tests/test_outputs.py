@@ -204,3 +204,12 @@ def test_a_column_nobody_classified_is_not_private():
 
     got = metrics_columns(["epsilon_pld", "rejected_dtype", "test_recall_at_5", "new_diagnostic"], "central")
     assert [v["private"] for v in got.values()] == [True, False, False, False]
+
+
+def test_a_stream_that_does_not_describe_itself_is_named_with_no_strategy():
+    from fedprivacy.outputs import noise_mechanism
+    from fedprivacy.privacy.noise import GaussianNoise
+
+    settings = dict(noise_multiplier=1.0, clip_norm=2.0, sampling="poisson", groups=1, placement="central")
+    assert noise_mechanism("m:custom", object(), **settings)["strategy"] is None
+    assert noise_mechanism("m:g", GaussianNoise(0), **settings)["strategy"]["kind"] == "independent"
