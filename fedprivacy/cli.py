@@ -16,7 +16,7 @@ import sys
 from typing import Any
 from pathlib import Path
 
-from fedprivacy.config import ConfigError, RunConfig, build_config, load_config
+from fedprivacy.config import ConfigError, RunConfig, build_config, check_plugins, load_config
 
 # fedprivacy.audit.BROKEN_VARIANTS, kept import-free
 BROKEN_VARIANT_NAMES = ("noise_off", "noise_halved", "realised_divisor", "clip_after_sum", "noise_after_optimizer",
@@ -40,13 +40,20 @@ def describe_os_error(err: OSError) -> str:
     return f"{err.filename}: {err.strerror or err}" + (f" ({hint})" if hint else "")
 
 
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The command's config: its file (else the defaults) with ``--set``; a plug-in only with ``--allow-plugins``."""
+    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    check_plugins(cfg, args.allow_plugins)
+    return cfg
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedprivacy.outputs import CHECKPOINT
     from fedprivacy.run import run
 
     from fedprivacy.experiments.progress import RunProgress
 
-    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    cfg = _run_config(args)
     try:
         with RunProgress(cfg.rounds, cfg.privacy.budget_accountant, mode="off" if args.quiet else None) as progress:
             summary = run(cfg, resume=args.resume, on_round=progress.round_done)
@@ -65,9 +72,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from fedprivacy.experiments import compare, load_study
+    from fedprivacy.experiments.study import expand
     from fedprivacy.experiments.sweep import SweepBusyError
 
     study = load_study(args.config, args.set)
+    for spec in expand(study):
+        check_plugins(spec.config, args.allow_plugins)
     try:
         result, report = compare(study, args.jobs)
     except SweepBusyError as err:
@@ -262,7 +272,7 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     from fedprivacy.deploy.local import DeploymentError, deploy_local
     from fedprivacy.devices import check_run_device
 
-    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    cfg = _run_config(args)
     check_run_device(cfg)  # the SuperNodes run here too
     try:
         summary = deploy_local(cfg, args.supernodes, secure=not args.insecure, reproducible=args.reproducible,
@@ -282,7 +292,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from fedprivacy.audit import run_audit
     from fedprivacy.devices import check_run_device
 
-    cfg = load_config(args.config, args.set) if args.config else build_config({}, args.set, source="defaults")
+    cfg = _run_config(args)
     check_run_device(cfg)
     report = run_audit(cfg, trials=args.trials, delta=args.delta, alpha=args.alpha, variant=args.break_variant,
                        accountant=args.accountant)
@@ -342,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress display or lines and no per-round log (warnings only); the JSON summary still "
                         "goes to stdout")
+    p.add_argument("--allow-plugins", action="store_true",
+                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
+                        "imports and runs that code, so pass it only for a config you trust")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("compare", help="run a study: methods x privacy budgets x seeds x hyperparameter grid, in "
@@ -351,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a study field, e.g. --set seeds=[0] --set base.rounds=5 (repeatable)")
     p.add_argument("--jobs", type=int, help="runs in parallel (default: the number of usable CPU cores; when the "
                                             "runs use CUDA, the number of GPUs, one worker per GPU)")
+    p.add_argument("--allow-plugins", action="store_true",
+                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
+                        "imports and runs that code, so pass it only for a config you trust")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs")
@@ -419,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a SuperNode that exits: its client drops out (continue), it is restarted and rejoins, "
                         "or the deployment stops (default: continue)")
     d.add_argument("--stream", action="store_true", help="echo Flower's streamed run log (default: one line per round)")
+    d.add_argument("--allow-plugins", action="store_true",
+                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
+                        "imports and runs that code, so pass it only for a config you trust")
     d.set_defaults(func=_cmd_deploy_local)
 
     p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client "
@@ -433,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--break", dest="break_variant", default="correct",
                    choices=["correct", *sorted(BROKEN_VARIANT_NAMES)],
                    help="audit a deliberately broken server instead, to see the audit fail")
+    p.add_argument("--allow-plugins", action="store_true",
+                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
+                        "imports and runs that code, so pass it only for a config you trust")
     p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser("data", help="data sets")

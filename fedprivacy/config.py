@@ -8,7 +8,6 @@ every error names the offending field, so a typo never silently falls back to a 
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -16,17 +15,14 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
+from fedprivacy.privacy.bounds import (MAX_NOISE_MULTIPLIER, MAX_NOISE_STD, MIN_DELTA, MIN_NOISE_MULTIPLIER,
+                                       check_noise_std)
 
 
 M = TypeVar("M", bound=BaseModel)
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?|mps")
 """The values ``device`` takes (:class:`RunConfig`)."""
-
-MAX_NOISE_STD = math.sqrt(3.4028234663852886e38)
-"""Largest clip norm, noise multiplier and noise std (z C) on the sum: their squares (the noise's
-variance) stay finite in float32, the models' dtype (1e308 would overflow the noise draw)."""
 
 
 def _accountable(z: float) -> float:
@@ -486,9 +482,7 @@ class PrivacyConfig(_Section):
             if self.target_epsilon is None:
                 raise ValueError("privacy.noise_multiplier='auto' needs privacy.target_epsilon (the budget to calibrate to)")
             return self  # the remaining checks run again once the run has calibrated z
-        if self.noise_multiplier * self.clip_norm > MAX_NOISE_STD:
-            raise ValueError(f"privacy.noise_multiplier * privacy.clip_norm = {self.noise_multiplier * self.clip_norm:g} "
-                             f"(the noise std on the sum) must be <= {MAX_NOISE_STD:.3g}: its square overflows float32")
+        check_noise_std(self.noise_multiplier, self.clip_norm, "privacy.")
         if self.budget_accountant not in self.accountants:
             raise ValueError(
                 f"privacy.budget_accountant={self.budget_accountant!r} must be one of "
@@ -670,6 +664,28 @@ class RunConfig(_Section):
     def to_json(self) -> str:
         """Serialise (round-trips through :func:`config_from_json`)."""
         return self.model_dump_json()
+
+
+def plugins(cfg: RunConfig) -> dict[str, str]:
+    """The fields of ``cfg`` that name a plug-in, ``package.module:factory``, with their values: ``data.task`` (a
+    user's task) and ``privacy.noise_stream``. A run imports each such module and calls the factory: a config
+    file naming a plug-in runs that code."""
+    named = {"data.task": cfg.data.task, "privacy.noise_stream": cfg.privacy.noise_stream}
+    return {field: value for field, value in named.items() if value is not None and ":" in value}
+
+
+def check_plugins(cfg: RunConfig, allowed: bool, opt_in: str = "--allow-plugins") -> None:
+    """Refuse a config naming a plug-in (:func:`plugins`) unless its runner opted in (``allowed``; ``opt_in`` says
+    how). The opt-in is the runner's, never the file's: a file that could allow itself would allow anything.
+
+    Raises:
+        ConfigError: one line naming the field and the opt-in.
+    """
+    named = plugins(cfg)
+    if named and not allowed:
+        field, value = next(iter(named.items()))
+        raise ConfigError(f"{field}={value!r} names a plug-in: this config imports and runs that code; pass "
+                          f"{opt_in} to run a config you trust with it")
 
 
 def config_differences(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -10,6 +10,9 @@ Layout of ``output_dir``::
     checkpoint.pt       everything needed to resume (written atomically)
     .lock               held by the run while it runs (:func:`run_lock`)
     metrics.png         test accuracy and epsilon vs round
+    metrics_columns.json  each metrics.csv column: whether it is private (derived only from released values
+                        and public settings, covered by the reported epsilon) and what it is
+    noise_mechanism.json  the server's noise stream: its parameters and coefficients (:func:`noise_mechanism`)
     summary.json        final numbers and why the run stopped
     side_information.json   AdaDPS only: provenance of each public A the clients received
 """
@@ -38,6 +41,68 @@ RUN_LOCK = ".lock"
 FIXED_ON_RESUME = ("seed", "privacy.", "data.task", "data.vocab_size", "data.num_tags")
 """Config fields (``.``: every field under the section) a resumed run cannot change: the privacy
 claim and its randomness, and what determines the model's shape (task, vocabulary, tags)."""
+
+
+_WHO_REPLIED = "who replied and how, counted without noise"
+METRICS_COLUMNS: dict[str, tuple[bool, str]] = {
+    "round": (True, "the round number"),
+    "epsilon_": (True, "epsilon so far under this accountant, from the ledger of the run's settings"),
+    "clip_norm": (True, "C_t: fixed, or moved by the released noisy unclipped count (adaptive clipping)"),
+    "unclipped_fraction_released": (True, "adaptive clipping's released (noised) unclipped fraction"),
+    "adambc_floored_fraction": (True, "DP-FedAdamBC's state, computed from the released averages"),
+    "downlink_bytes_per_client": (True, "the size of what the server sends, from released values"),
+    "server_noise_std": (True, "the std of the server's draw, from z and C_t"),
+    "train_loss": (False, "the mean of the losses the accepted clients report on their own data, noise-free"),
+    "test_": (False, "the released model evaluated on the evaluation data, which epsilon does not cover"),
+    "clipped_fraction": (False, "noise-free: the fraction of raw updates above C_t, computed by the server from "
+                                "the clients' raw updates (central placement only)"),
+    "update_norm_median": (False, "noise-free: the median L2 norm of the clients' raw updates, computed by the "
+                                  "server (central placement only)"),
+    "client_epsilon_max": (False, "the largest client epsilon, from the clients' reported record-level events "
+                                  "(their own data sizes)"),
+    "cohort_sampled": (False, "the size of the sampled cohort, which the privacy analysis keeps hidden"),
+    "cohort_received": (False, _WHO_REPLIED), "cohort_accepted": (False, _WHO_REPLIED),
+    "cohort_dropped": (False, _WHO_REPLIED), "rejected_": (False, _WHO_REPLIED),
+    "secagg_survivors": (False, _WHO_REPLIED), "secagg_aborted": (False, _WHO_REPLIED),
+    "uplink_bytes_per_client": (False, "the mean size of the accepted replies (a sparse upload's depends on its data)"),
+    "residual_bytes_per_client": (False, "the clients' reported error-feedback residual size"),
+    "side_information_bytes": (False, "AdaDPS bytes sent to this cohort (which sampled nodes had A already)"),
+    "seconds": (False, "the round's wall time, which the clients' work sets"),
+}
+"""Each ``metrics.csv`` column (a name ending in ``_``: every column it starts) -> (private, what it is). Private:
+derived only from released (noised) values and public settings, so covered by the reported epsilon; otherwise
+a diagnostic of the simulation that epsilon does NOT cover (never publish it as private)."""
+
+
+def metrics_columns(columns: list[str], placement: str) -> dict[str, dict[str, Any]]:
+    """``metrics_columns.json``: each of ``columns`` with ``private`` and ``meaning`` (:data:`METRICS_COLUMNS`); an
+    unknown column, and ``server_noise_std`` outside central placement (a top-up for the missing shares: it
+    counts who replied), are not private."""
+    out = {}
+    for column in columns:
+        key = column if column in METRICS_COLUMNS else next(
+            (k for k in METRICS_COLUMNS if k.endswith("_") and column.startswith(k)), None)
+        private, meaning = METRICS_COLUMNS[key] if key else (False, "not classified: treat it as not private")
+        if column == "server_noise_std" and placement != "central":
+            private, meaning = False, "the std of the server's top-up for the missing shares: it counts who replied"
+        out[column] = {"private": private, "meaning": meaning}
+    return out
+
+
+def noise_mechanism(name: str, stream: Any, *, noise_multiplier: float, clip_norm: float, sampling: str,
+                    groups: int, placement: str) -> dict[str, Any]:
+    """``noise_mechanism.json``: the server's noise stream (``name``, as the settings name it), the run's z, C and
+    schedule, and the stream's strategy (its ``describe_strategy()``: kind, coefficients, sensitivity ``s(C)``
+    under the schedule; None for a stream that does not describe itself), so that a reader rebuilds ``C`` and
+    checks the noise without the Python API (:mod:`fedprivacy.privacy.matrix_factorization`)."""
+    describe = getattr(stream, "describe_strategy", None)
+    return {"noise_stream": name, "noise_multiplier": noise_multiplier, "clip_norm": clip_norm, "sampling": sampling,
+            "groups": groups, "placement": placement,
+            "release_noise": "central placement: release t adds z C s(C) (C^-1 w)_t with w ~ N(0, I) per coordinate "
+                             "(the tree: s(C) times the difference of the efficient prefix estimates P_t - P_(t-1) of "
+                             "its nodes; independent noise: C = I, s(C) = 1); the strategy restarts every horizon "
+                             "releases",
+            "strategy": describe() if callable(describe) else None}
 
 
 def strict_json(value: Any) -> Any:
@@ -185,6 +250,10 @@ class RunOutputs:
         with writing(self.dir / "metrics.csv"):
             frame.to_csv(self.dir / "metrics.csv", index=False)
         self._columns = list(frame.columns)
+        self.write_json("metrics_columns.json", {
+            "private": "derived only from released (noised) values and public settings: covered by the reported "
+                       "epsilon; false: a diagnostic that epsilon does not cover (do not publish it as private)",
+            "columns": metrics_columns(self._columns, self.cfg.privacy.placement)})
 
     def _write_text(self, name: str, text: str) -> None:
         with writing(self.dir / name):

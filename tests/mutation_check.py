@@ -1,4 +1,4 @@
-"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam, correlated-noise and secure-aggregation privacy claims: each fix is broken in turn and
+"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam, correlated-noise, secure-aggregation and Hardening III privacy claims: each fix is broken in turn and
 the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
 (about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
 
@@ -57,6 +57,15 @@ MUTATIONS = [
  ("fedprivacy/fl/client_app.py", "            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)\n", "            pass\n", "tests/engine/test_noise_floor.py -k strategy_round"),
  ("fedprivacy/fl/client_app.py", "            enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)\n", "            pass\n", "tests/engine/test_noise_floor.py -k secure_aggregation_round"),
  ("fedprivacy/deploy/local.py", "extra_node_config=floor)", ")", "tests/deploy/test_deploy_units.py -k noise_floor"),
+ # hardening III: refusals at construction, plug-in opt-in, non-private diagnostics, the noise mechanism's file
+ ("fedprivacy/privacy/mechanism.py", "    check_noise_std(z, clip_norm)\n", "", "tests/engine/test_strategy.py -k overflows"),
+ ("fedprivacy/fl/strategy.py", "        _check_accounting(self.mechanism, budget_accountant, accountants, target_epsilon)\n", "", "tests/engine/test_strategy.py -k cannot_account"),
+ ("fedprivacy/privacy/accounting.py", "    return not ((kind == \"prv\" and not all(", "    return True or not ((kind == \"prv\" and not all(", "tests/engine/test_strategy.py -k cannot_account"),
+ ("fedprivacy/cli.py", "    check_plugins(cfg, args.allow_plugins)\n", "", "tests/test_config_inputs.py -k allow_plugins"),
+ ("fedprivacy/cli.py", "        check_plugins(spec.config, args.allow_plugins)\n", "        pass\n", "tests/test_config_inputs.py -k allow_plugins"),
+ ("fedprivacy/privacy/aggregation.py", "AggregationStats(raw_updates=placement == \"central\")", "AggregationStats()", "tests/test_outputs.py -k classified"),
+ ("fedprivacy/outputs.py", "    \"update_norm_median\": (False,", "    \"update_norm_median\": (True,", "tests/test_outputs.py -k classified"),
+ ("fedprivacy/privacy/tree.py", "for level in range(_trailing_zeros(t) + 1)]", "for level in range(_trailing_zeros(t))]", "tests/engine/test_correlated_run.py -k json_alone"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)

@@ -114,3 +114,49 @@ def test_a_garbage_config_file_is_refused_naming_the_file(tmp_path, content):
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=str(path)):
         load_config(path)
+
+
+# -- hardening III: a config naming a plug-in runs code, only with the runner's opt-in --------------------------
+_PLANTED = """
+import pathlib
+pathlib.Path(__file__).with_name("imported").write_text("ran")
+"""
+
+
+@pytest.mark.parametrize("field", ["privacy.noise_stream", "data.task"])
+def test_the_commands_refuse_a_config_naming_a_plugin_without_allow_plugins(field, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from fedprivacy.cli import EXIT_USAGE, main
+
+    (tmp_path / "planted_plugin.py").write_text(_PLANTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({**_tree(field, "planted_plugin:make"), "output_dir": str(tmp_path / "run")}))
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({"name": "s", "output_dir": str(tmp_path / "study"),
+                                     "base": _tree(field, "planted_plugin:make"),
+                                     "methods": {"m": {}}, "budgets": [{"noise_multiplier": 1.0}]}))
+    for command in (["run", str(config)], ["audit", str(config)], ["deploy", "local", str(config), "--supernodes", "2"],
+                    ["run", "--set", f"{field}=planted_plugin:make"], ["compare", str(study)]):
+        assert main(command) == EXIT_USAGE, command
+        err = capsys.readouterr().err.strip()
+        assert f"{field}='planted_plugin:make' names a plug-in" in err and "--allow-plugins" in err, command
+        assert len(err.splitlines()) == 1 and not (tmp_path / "imported").exists(), command
+    if field == "data.task":  # the opt-in: the run imports the module (then finds no factory ``make`` in it)
+        assert main(["run", str(config), "--allow-plugins"]) == EXIT_USAGE
+        assert "cannot import 'planted_plugin:make'" in capsys.readouterr().err
+        assert (tmp_path / "imported").read_text() == "ran"
+
+
+def test_the_python_api_and_configs_without_plugins_need_no_opt_in():
+    from fedprivacy.config import check_plugins, plugins
+
+    for overrides in ([], ["data.task=next_word"], ["privacy.mechanism.kind=tree", "privacy.sampling=min_separated",
+                                                     "privacy.groups=2", "privacy.accountants=[rdp]"]):
+        cfg = build_config({}, overrides)
+        assert plugins(cfg) == {}
+        check_plugins(cfg, allowed=False)
+    cfg = build_config({}, ["privacy.noise_stream=a.b:c", "data.task=d:e"])
+    assert plugins(cfg) == {"data.task": "d:e", "privacy.noise_stream": "a.b:c"}
+    check_plugins(cfg, allowed=True)

@@ -172,3 +172,44 @@ def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(tmp_path):
     with _held_by_another_process(tmp_path / "run") as pid:
         with pytest.raises(FolderBusyError, match=rf"pid {pid}, host {socket.gethostname()}, started 20"):
             run(build_config({"output_dir": str(tmp_path / "run")}))
+
+
+# -- hardening III: which metrics.csv columns the reported epsilon covers ----------------------------------------
+@pytest.mark.slow
+def test_every_metrics_column_is_classified_and_the_raw_update_diagnostics_are_not_private(small_config, tmp_path):
+    import json
+
+    central = small_config("rounds=2", f"output_dir={tmp_path / 'central'}", "privacy.adaptive_clipping={}",
+                           "privacy.noise_multiplier=0.3", "server.optimizer=adambc")
+    distributed = small_config("rounds=1", f"output_dir={tmp_path / 'distributed'}",
+                               "privacy.placement=distributed")
+    for cfg in (central, distributed):
+        run(cfg)
+        header = list(pd.read_csv(cfg.output_dir / "metrics.csv").columns)
+        columns = json.loads((cfg.output_dir / "metrics_columns.json").read_text())["columns"]
+        assert list(columns) == header
+        assert not [c for c, v in columns.items() if v["meaning"].startswith("not classified")]
+        assert columns["epsilon_rdp"]["private"] and not columns["train_loss"]["private"]
+        assert columns["server_noise_std"]["private"] == (cfg.privacy.placement == "central")
+    columns = json.loads((central.output_dir / "metrics_columns.json").read_text())["columns"]
+    for raw in ("clipped_fraction", "update_norm_median"):
+        assert columns[raw]["private"] is False and "raw updates" in columns[raw]["meaning"]
+    assert columns["unclipped_fraction_released"]["private"] and columns["adambc_floored_fraction"]["private"]
+    header = list(pd.read_csv(distributed.output_dir / "metrics.csv").columns)
+    assert "clipped_fraction" not in header and "update_norm_median" not in header  # the server never sees them
+
+
+def test_a_column_nobody_classified_is_not_private():
+    from fedprivacy.outputs import metrics_columns
+
+    got = metrics_columns(["epsilon_pld", "rejected_dtype", "test_recall_at_5", "new_diagnostic"], "central")
+    assert [v["private"] for v in got.values()] == [True, False, False, False]
+
+
+def test_a_stream_that_does_not_describe_itself_is_named_with_no_strategy():
+    from fedprivacy.outputs import noise_mechanism
+    from fedprivacy.privacy.noise import GaussianNoise
+
+    settings = dict(noise_multiplier=1.0, clip_norm=2.0, sampling="poisson", groups=1, placement="central")
+    assert noise_mechanism("m:custom", object(), **settings)["strategy"] is None
+    assert noise_mechanism("m:g", GaussianNoise(0), **settings)["strategy"]["kind"] == "independent"

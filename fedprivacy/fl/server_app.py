@@ -40,12 +40,12 @@ from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
-from fedprivacy.outputs import RunOutputs
+from fedprivacy.outputs import RunOutputs, noise_mechanism
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier, solve_noise_multiplier
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory, planned_ledger
-from fedprivacy.privacy.noise import GaussianNoise, torch_seed
+from fedprivacy.privacy.noise import GaussianNoise, stream_name, torch_seed
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
 from fedprivacy.task import Task
@@ -277,6 +277,11 @@ class DPFedAvgServer:
         """Run rounds until ``cfg.rounds`` or the privacy budget; return the summary."""
         self.grid = grid
         checkpoint = self.outputs.prepare(resume)
+        m, p = self.strategy.mechanism, self.cfg.privacy
+        self.outputs.write_json("noise_mechanism.json", noise_mechanism(
+            stream_name(m.noise_stream), m.noise, noise_multiplier=m.noise_multiplier, clip_norm=p.clip_norm,
+            sampling=p.sampling, groups=p.groups,
+            placement="secure aggregation (Skellam)" if p.secure_aggregation else p.placement))
         log.info("privacy: %s", self.privacy_claim())
         self._resume(checkpoint, grid)
         self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))

@@ -68,7 +68,7 @@ import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.outputs import ResumeError
-from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
+from fedprivacy.privacy.accounting import AccountantKind, accounts, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
@@ -234,6 +234,7 @@ class DPFedAvg(Strategy):
             raise ValueError(f"DiSK (disk_kappa={disk_kappa}) models noise independent across rounds; noise_stream="
                              f"{stream_name(noise_stream)} correlates it (use one or the other)")
         self.delta = resolve_delta(delta, self.mechanism.claim_population)
+        _check_accounting(self.mechanism, budget_accountant, accountants, target_epsilon)
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
                         "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
@@ -599,6 +600,31 @@ class DPFedAvg(Strategy):
         if len(self.client_ledgers):
             out["client_epsilon_max"] = max(self.client_epsilons().values())
         return out
+
+
+def _check_accounting(mechanism: GaussianMechanism, budget_accountant: AccountantKind, accountants: Sequence[str],
+                      target_epsilon: float | None) -> None:
+    """Refuse, naming the argument, what the first round or its budget check would fail on: an unknown accountant,
+    a target that is not a number > 0 (NaN would never stop the run) and, under a target, a ``budget_accountant``
+    that cannot account the mechanism's releases (:func:`~fedprivacy.privacy.accounting.accounts`). An accountant
+    of ``accountants`` that cannot account them reports None (NaN in the round's metrics), as for any ledger."""
+    for name, kinds in (("budget_accountant", [budget_accountant]), ("accountants", list(accountants))):
+        unknown = [k for k in kinds if k not in get_args(AccountantKind)]
+        if unknown:
+            raise ValueError(f"{name} must be among {list(get_args(AccountantKind))}, got {unknown[0]!r}")
+    if target_epsilon is None:  # no budget check (``budget_accountant`` then only reports the clients' epsilons)
+        return
+    if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be a number > 0 (or None: no budget), got {target_epsilon!r}")
+    if isinstance(mechanism, SkellamMechanism):  # its rounds state their own RDP curve (planned once d is known)
+        ok, what = budget_accountant == "rdp", "secure_aggregation's Skellam rounds"
+    else:
+        event = mechanism.event()
+        ok, what = accounts([(event, 1)], budget_accountant), type(event).__name__
+    if not ok:
+        raise ValueError(f"budget_accountant={budget_accountant!r} cannot account {what}, the releases of noise_stream="
+                         f"{stream_name(mechanism.noise_stream)} with sampling={mechanism.sampling!r}: use 'rdp' (it "
+                         "accounts every mechanism)")
 
 
 def _shift_rounds(result: Result, offset: int, initial_arrays: ArrayRecord) -> Result:

@@ -440,6 +440,23 @@ def _as_ledger(ledger_or_entries: PrivacyLedger | Iterable[Entry]) -> PrivacyLed
     return ledger_or_entries if isinstance(ledger_or_entries, PrivacyLedger) else PrivacyLedger(ledger_or_entries)
 
 
+def _composed(ledger: PrivacyLedger) -> tuple[Entry, ...]:
+    """The ledger's entries without :class:`CoveredRelease` (it composes nothing), equal neighbours merged."""
+    return PrivacyLedger((rnd, count) for rnd, count in ledger.entries if not isinstance(rnd, CoveredRelease)).entries
+
+
+def accounts(ledger_or_entries: PrivacyLedger | Iterable[Entry], kind: AccountantKind) -> bool:
+    """Whether ``kind`` computes an epsilon for this ledger (:func:`epsilon` reports None exactly where it does not):
+    replace-one ledgers (``fixed``) by rdp only, events other than :class:`GaussianRound` not by prv, events that
+    state their own RDP curve by rdp only."""
+    ledger = _as_ledger(ledger_or_entries)
+    if ledger.entries and ledger.entries[0][0].neighboring_relation == _REPLACE_ONE and kind != "rdp":
+        return False
+    entries = _composed(ledger)
+    return not ((kind == "prv" and not all(isinstance(rnd, GaussianRound) for rnd, _ in entries))
+                or (kind != "rdp" and any(hasattr(rnd, "rdp") for rnd, _ in entries)))
+
+
 def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, kind: AccountantKind, *,
             rdp_orders: Sequence[float] | None = None) -> float | None:
     """ε at ``delta`` of all composed rounds, under accountant ``kind``.
@@ -472,16 +489,13 @@ def epsilon(ledger_or_entries: PrivacyLedger | Iterable[Entry], delta: float, ki
     orders = tuple(float(a) for a in (RDPAccountant.DEFAULT_ALPHAS if rdp_orders is None else rdp_orders))
     if not orders or not all(math.isfinite(a) and a > 1 for a in orders):
         raise ValueError(f"rdp_orders must be a non-empty list of finite orders > 1, got {rdp_orders!r}")
-    entries = _as_ledger(ledger_or_entries).entries
-    if entries and entries[0][0].neighboring_relation == _REPLACE_ONE and kind != "rdp":
+    ledger = _as_ledger(ledger_or_entries)
+    if not accounts(ledger, kind):
         return None
     # CoveredRelease composes nothing: dropped, the entries around it merge (a cyclic ledger's cycle starts become
     # one entry, one PLD composition), in order (the result is bit for bit what PLDAccountant builds for them)
-    entries = PrivacyLedger((rnd, count) for rnd, count in entries if not isinstance(rnd, CoveredRelease)).entries
+    entries = _composed(ledger)
     gaussian = [rnd for rnd, _ in entries if isinstance(rnd, GaussianRound)]
-    if (kind == "prv" and len(gaussian) < len(entries)) or (kind != "rdp" and any(hasattr(rnd, "rdp")
-                                                                                   for rnd, _ in entries)):
-        return None
     active = [(rnd, count) for rnd, count in entries if not isinstance(rnd, GaussianRound) or rnd.q > 0]
     if not active:
         return 0.0

@@ -55,6 +55,9 @@ class AggregationStats:
     """reason -> the first rejected reply's source and detail (for one warning per reason)."""
     clipped: int = 0
     norms: list[float] = field(default_factory=list)
+    raw_updates: bool = True
+    """Whether the server sees each update before any noise (central placement): only then are ``clipped`` and
+    ``norms`` kept and ``clipped_fraction`` and ``update_norm_median`` reported (noise-free, NOT private)."""
 
     def as_metrics(self) -> dict[str, float]:
         norms = torch.tensor(self.norms) if self.norms else torch.zeros(1)
@@ -62,8 +65,8 @@ class AggregationStats:
             "cohort_received": float(self.received),
             "cohort_accepted": float(self.accepted),
             **{f"rejected_{reason}": float(n) for reason, n in self.rejected.items()},
-            "clipped_fraction": self.clipped / self.accepted if self.accepted else 0.0,
-            "update_norm_median": float(norms.median()),
+            **({"clipped_fraction": self.clipped / self.accepted if self.accepted else 0.0,
+                "update_norm_median": float(norms.median())} if self.raw_updates else {}),
         }
 
     def rejection_warnings(self) -> list[str]:
@@ -86,7 +89,7 @@ class PrivateSum:
         self.noise_multiplier = noise_multiplier
         self.expected_cohort = expected_cohort
         self._sum = torch.zeros(dim, dtype=torch.float32, device=device)
-        self.stats = AggregationStats()
+        self.stats = AggregationStats(raw_updates=placement == "central")
 
     def reject(self, reason: str, source: object = "?", detail: str = "") -> None:
         """Count a reply that contributes zero (one of :data:`~fedprivacy.updates.REJECTION_REASONS`)."""
@@ -114,10 +117,11 @@ class PrivateSum:
             return False
         self.stats.received += 1
         # central: clip(u) = scale * u, folded into the accumulation below; otherwise the upload
-        # is already clipped and noised on the client (its norm is mostly noise)
+        # is already clipped and noised on the client (its norm is mostly noise: no diagnostic kept)
         scale = clip_scale(norm, self.clip_norm) if self.placement == "central" else 1.0
-        self.stats.norms.append(norm)
-        self.stats.clipped += norm > self.clip_norm
+        if self.stats.raw_updates:
+            self.stats.norms.append(norm)
+            self.stats.clipped += norm > self.clip_norm
         self.stats.accepted += 1
         values, scale = float32_exact_scale(update.values.to(self._sum.device), scale)
         if update.indices is None:

@@ -24,6 +24,7 @@ schedule's own events; otherwise one Gaussian event per horizon at ``s = sqrt(k)
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,6 +76,9 @@ class BandMFNoise(ToeplitzNoise):
         super().__init__(seed, device=device, secure=secure, horizon=horizon, separation=separation,
                          coefficients=bandmf_coefficients(horizon, bands), amplified=amplified)
         self._c = [float(x) for x in self.coefficients]
+
+    def _coefficients(self) -> dict[str, Any]:
+        return {**super()._coefficients(), "bands": len(self._c)}
 
     def _next(self, w: torch.Tensor, t: int) -> torch.Tensor:
         """Forward substitution; buffers: ``y_{t-1}, ..., y_{t-p+1}`` (newest first)."""

@@ -25,6 +25,7 @@ float64, deterministic. Accounted without amplification: one Gaussian event per 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,6 +89,11 @@ class BLTNoise(ToeplitzNoise):
         super().__init__(seed, device=device, secure=secure, horizon=horizon, separation=separation,
                          coefficients=blt_coefficients(theta, omega, horizon).numpy())
         self.theta, self.omega = [float(x) for x in theta], [float(x) for x in omega]
+
+    def _coefficients(self) -> dict[str, Any]:
+        """Also the buffers' decays ``theta`` and output weights ``omega``: ``coefficients[i] = sum_j omega_j
+        theta_j^(i-1)`` for ``i >= 1``."""
+        return {**super()._coefficients(), "theta": self.theta, "omega": self.omega}
 
     def _next(self, w: torch.Tensor, t: int) -> torch.Tensor:
         """The recurrence; buffers: ``S_1, ..., S_m``."""

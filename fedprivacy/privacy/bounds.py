@@ -29,7 +29,23 @@ MIN_SAMPLING_RATE = 1e-12
 MIN_DELTA = 1e-10
 """Smallest delta an epsilon is computed at (Opacus' PRV refuses deltas near its float resolution)."""
 
+MAX_NOISE_STD = 3.4028234663852886e38 ** 0.5
+"""Largest clip norm, noise multiplier and noise std ``z C`` on the sum: their squares (the noise's variance)
+stay finite in float32, the models' dtype (``z C`` = 1e39 overflows the draw itself)."""
+
 EPSILON_CEILING = 100.0
 """Above this RDP ε, ``prv`` and ``pld`` report ``inf`` without building a grid
 (:mod:`fedprivacy.privacy.accounting`, "Accountable range")."""
 
+
+
+def check_noise_std(noise_multiplier: float, clip_norm: float, prefix: str = "") -> None:
+    """The one rule on the noise std on the sum, ``z C`` <= :data:`MAX_NOISE_STD` (the config and
+    :class:`~fedprivacy.privacy.mechanism.GaussianMechanism` both apply it; ``prefix`` names their section).
+
+    Raises:
+        ValueError: ``z C`` is larger, naming both settings.
+    """
+    if noise_multiplier * clip_norm > MAX_NOISE_STD:
+        raise ValueError(f"{prefix}noise_multiplier * {prefix}clip_norm = {noise_multiplier * clip_norm:g} (the noise "
+                         f"std on the sum) must be <= {MAX_NOISE_STD:.3g}: its square overflows float32")

@@ -169,6 +169,18 @@ class CorrelatedNoise(abc.ABC):
         return MatrixMechanismRun(noise_multiplier=z, mechanism=self.kind, horizon=self.horizon,
                                   separation=self.separation, participations=self.participations)
 
+    def describe_strategy(self) -> dict[str, Any]:
+        """What a reader needs to rebuild the strategy ``C`` and check the noise (``noise_mechanism.json``): the
+        kind, the horizon ``n``, the schedule's ``b`` and ``k``, the sensitivity ``s(C)`` the noise is scaled by, and
+        the subclass's coefficients (:meth:`_coefficients`)."""
+        return {"kind": self.kind, "horizon": self.horizon, "separation": self.separation,
+                "participations": self.participations, "amplified": self.amplified,
+                "sensitivity": float(self.sensitivity), **self._coefficients()}
+
+    @abc.abstractmethod
+    def _coefficients(self) -> dict[str, Any]:
+        """The strategy's own numbers (:meth:`describe_strategy`), JSON-able."""
+
     def check_schedule(self, kind: str, separation: int) -> None:
         """Refuse a participation schedule this strategy's sensitivity does not hold for (one line)."""
         if kind not in ("min_separated", "cyclic_poisson"):
@@ -245,3 +257,8 @@ class ToeplitzNoise(CorrelatedNoise):
 
     def _row_norm(self, t: int) -> float:
         return float(self._row_norms[t - 1])
+
+    def _coefficients(self) -> dict[str, Any]:
+        """``C`` is the ``n x n`` lower-triangular Toeplitz matrix with ``C[i, j] = coefficients[i - j]`` (0 beyond)."""
+        return {"strategy": "lower-triangular Toeplitz: C[i, j] = coefficients[i - j] for i >= j",
+                "coefficients": [float(x) for x in self.coefficients]}

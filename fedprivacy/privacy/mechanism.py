@@ -47,7 +47,7 @@ import torch
 
 from fedprivacy.privacy.accounting import (AccountantKind, GaussianRound, PrivacyLedger, epsilons,
                                            would_exceed)
-from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
+from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER, check_noise_std
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.events import AccountedEvent
@@ -91,6 +91,7 @@ def _check_arguments(noise_multiplier: float, clip_norm: float, expected_cohort:
                          f"{MAX_NOISE_MULTIPLIER:g}] (what the accountants compute), got {z}")
     if not (math.isfinite(clip_norm) and clip_norm > 0.0):
         raise ValueError(f"clip_norm must be a finite number > 0, got {clip_norm}")
+    check_noise_std(z, clip_norm)
     if isinstance(expected_cohort, bool) or int(expected_cohort) != expected_cohort or expected_cohort < 1:
         raise ValueError(f"expected_cohort must be an integer >= 1, got {expected_cohort}")
     if placement not in get_args(Placement):

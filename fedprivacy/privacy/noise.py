@@ -118,6 +118,10 @@ class GaussianNoise:
         """The sampler's event itself (an independent subsampled Gaussian)."""
         return sampled
 
+    def describe_strategy(self) -> dict[str, Any]:
+        """The strategy is the identity (``noise_mechanism.json``): every release's noise is its own draw."""
+        return {"kind": "independent", "strategy": "identity: every release's noise is independent of the others'"}
+
     def draw_id(self) -> str:
         """A fingerprint of the generator state the next draw starts from."""
         return draw_id(self.state_dict()["generator"])

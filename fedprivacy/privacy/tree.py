@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,6 +92,14 @@ class TreeNoise(CorrelatedNoise):
 
     def _row_norm(self, t: int) -> float:
         return math.sqrt(release_variance(_trailing_zeros(t)))
+
+    def _coefficients(self) -> dict[str, Any]:
+        """``C`` has one row per node, in the order their noise is drawn (leaf ``t``, then the nodes completed at
+        ``t`` bottom-up), ones on the releases ``first..last`` it covers; the estimate of a level-``l`` node weighs
+        its own noise by ``2 v_{l-1} / (2 v_{l-1} + 1)`` (``level_variances``, module docstring)."""
+        nodes = [[t - 2 ** level + 1, t] for t in range(1, self.horizon + 1) for level in range(_trailing_zeros(t) + 1)]
+        return {"strategy": "binary tree: one row per node [first, last] (releases, 1-based), ones on those columns",
+                "nodes": nodes, "level_variances": [level_variance(level) for level in range(self._levels)]}
 
     def _next(self, w: torch.Tensor, t: int) -> torch.Tensor:
         """:math:`P_t - P_{t-1}` = the estimate of the node completed at ``t`` minus the pending estimates it

@@ -6,6 +6,7 @@ and the combinations refused naming the settings."""
 import csv
 
 import dp_accounting
+import numpy as np
 import pytest
 import torch
 from dp_accounting import rdp
@@ -170,3 +171,87 @@ def test_the_correlated_noise_example_runs_learns_and_reports_one_gaussian(tmp_p
     accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     assert accuracy > 0.75
     assert eps == pytest.approx(accountant.compose(dp_accounting.GaussianDpEvent(2.0)).get_epsilon(1e-3), abs=0.01)
+
+
+# -- hardening III: the run's noise_mechanism.json rebuilds C without the Python API ----------------------------
+def _from_json(stream) -> dict:
+    import json
+
+    return json.loads(json.dumps(stream.describe_strategy()))
+
+
+def _rebuilt_c(d: dict) -> np.ndarray:
+    """The strategy matrix from ``noise_mechanism.json``'s ``strategy`` alone (numpy)."""
+    n = d["horizon"]
+    if d["kind"] == "tree":
+        rows = np.zeros((len(d["nodes"]), n))
+        for row, (first, last) in zip(rows, d["nodes"]):
+            row[first - 1:last] = 1.0
+        return rows
+    c = np.zeros(n)
+    c[:len(d["coefficients"])] = d["coefficients"][:n]
+    return np.array([[c[i - j] if i >= j else 0.0 for j in range(n)] for i in range(n)])
+
+
+def _released_noise(stream, draws: list) -> np.ndarray:
+    """Releases 1..n of ``stream`` at z C = 1 with the draws scripted (its rows: s(C) (C^{-1} w)_t)."""
+    queue = iter(draws)
+    stream._fresh = lambda like: torch.tensor(next(queue))
+    out = []
+    for t in range(1, stream.horizon + 1):
+        x = torch.zeros(len(draws[0]), dtype=torch.float64)
+        stream.add_(x, stream.std_factor(t))
+        out.append(x.numpy())
+    return np.array(out)
+
+
+def _max_over_patterns(c: np.ndarray, b: int, k: int) -> float:
+    import itertools
+
+    n = c.shape[1]
+    return max(np.linalg.norm(c[:, list(p)].sum(1)) for size in range(1, k + 1)
+               for p in itertools.combinations(range(n), size) if all(j - i >= b for i, j in zip(p, p[1:])))
+
+
+@pytest.mark.parametrize("spec", [CorrelatedMechanism("tree", horizon=8, groups=8),
+                                  CorrelatedMechanism("tree", horizon=6, groups=2),
+                                  CorrelatedMechanism("bandmf", horizon=7, groups=3, bands=3),
+                                  CorrelatedMechanism("bandmf", horizon=6, groups=2, bands=2, amplified=True),
+                                  CorrelatedMechanism("blt", horizon=7, groups=2, buffers=2)],
+                         ids=lambda spec: spec.describe())
+def test_the_json_alone_rebuilds_the_strategy_the_stream_draws_its_noise_from(spec):
+    d = _from_json(spec(0))
+    c, n, s = _rebuilt_c(d), d["horizon"], d["sensitivity"]
+    rng = np.random.default_rng(3)
+    draws = list(rng.standard_normal((c.shape[0], 2)))
+    got = _released_noise(spec(0), draws)
+    if d["kind"] == "tree":  # release t: s (P_t - P_(t-1)), P_t the least-squares prefix estimate from the nodes done
+        prefix = [np.zeros(2)]
+        for t in range(1, n + 1):
+            done = [i for i, (_, last) in enumerate(d["nodes"]) if last <= t]
+            ct = c[done][:, :t]
+            prefix.append(np.ones(t) @ np.linalg.solve(ct.T @ ct, ct.T @ np.array([draws[i] for i in done])))
+        want = s * np.diff(np.array(prefix), axis=0)
+    else:
+        want = s * np.linalg.solve(c, np.array(draws))
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    k = 1 if d["amplified"] else d["participations"]
+    true = _max_over_patterns(c, d["separation"], k)
+    assert s == pytest.approx(true, rel=1e-9) if d["kind"] != "tree" or k == 1 else s >= true - 1e-12
+    if d["kind"] == "blt":  # the buffers' decays and weights give the same coefficients
+        theta, omega = np.array(d["theta"]), np.array(d["omega"])
+        tail = [(omega * theta ** (i - 1)).sum() for i in range(1, n)]
+        np.testing.assert_allclose(d["coefficients"], [1.0, *tail], rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_fedprivacy_run_writes_the_noise_mechanism(small_config):
+    import json
+
+    cfg = small_config("rounds=2", "privacy.sampling=min_separated", "privacy.groups=2", "privacy.mechanism.kind=tree",
+                       "privacy.expected_cohort=6")
+    run(cfg)
+    written = json.loads((cfg.output_dir / "noise_mechanism.json").read_text())
+    assert written["strategy"] == _from_json(CorrelatedMechanism("tree", horizon=2, groups=2)(0))
+    assert written["noise_stream"] == "fedprivacy.privacy.correlated:tree(horizon=2, groups=2)"
+    assert (written["noise_multiplier"], written["clip_norm"]) == (cfg.privacy.noise_multiplier, cfg.privacy.clip_norm)

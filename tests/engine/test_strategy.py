@@ -18,6 +18,7 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.privacy.accounting import epsilon_for
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER
+from fedprivacy.updates import SparseUpdate
 
 IN, OUT = 200, 100  # 20,100 parameters
 
@@ -421,3 +422,57 @@ def test_a_bad_argument_is_refused_up_front_naming_it(bad):
     name, value = bad
     with pytest.raises(ValueError, match=name):
         DPFedAvg(**{**_VALID, name: value})
+
+
+# -- hardening III: what the round would fail on is refused at construction ----------------------------------
+def test_a_noise_std_the_draw_overflows_is_refused_by_the_configs_rule():
+    """DPFedAvg(clip_norm=1e38, noise_multiplier=10) constructed, then overflowed inside the round's draw."""
+    with pytest.raises(ValueError, match=r"noise_multiplier \* clip_norm = 1e\+39"):
+        DPFedAvg(**{**_VALID, "noise_multiplier": 10.0, "clip_norm": 1e38})
+
+
+def test_a_budget_accountant_that_cannot_account_the_stream_is_refused_naming_both():
+    from fedprivacy.privacy.correlated import CorrelatedMechanism
+
+    with pytest.raises(ValueError, match=r"budget_accountant='prv' cannot account MatrixMechanismRun.*noise_stream="):
+        DPFedAvg(**_VALID, sampling="min_separated", groups=2, noise_stream=CorrelatedMechanism("tree", 4, groups=2),
+                 budget_accountant="prv", target_epsilon=5.0)
+    with pytest.raises(ValueError, match=r"budget_accountant='pld'.*sampling='fixed'"):
+        DPFedAvg(**_VALID, sampling="fixed", budget_accountant="pld", target_epsilon=5.0)
+    DPFedAvg(**_VALID, sampling="fixed", budget_accountant="pld")  # no budget: pld reports the clients' epsilons
+    for bad, name in ((math.nan, "target_epsilon"), (0.0, "target_epsilon")):
+        with pytest.raises(ValueError, match=name):
+            DPFedAvg(**_VALID, target_epsilon=bad)
+    with pytest.raises(ValueError, match="accountants"):
+        DPFedAvg(**_VALID, accountants=("rdp", "moments"))
+
+
+_STREAMS = ("independent", "tree", "bandmf", "blt")
+
+
+@settings(max_examples=40, deadline=None)
+@given(z=st.one_of(st.just(0.0), st.floats(2.0 ** -6, 2.0 ** 20), st.floats(1e15, 1e40)),
+       clip=st.one_of(st.floats(1e-3, 10.0), st.floats(1e15, 1e40)), m=st.integers(1, 6), n=st.integers(1, 12),
+       accountant=st.sampled_from(["rdp", "prv", "pld"]), stream=st.sampled_from(_STREAMS))
+def test_construction_refuses_naming_a_field_or_a_round_and_its_budget_check_run(z, clip, m, n, accountant, stream):
+    from fedprivacy.privacy.correlated import CorrelatedMechanism
+    from fedprivacy.privacy.noise import GaussianNoise
+
+    correlated = stream != "independent"
+    kwargs = dict(noise_multiplier=z, clip_norm=clip, expected_cohort=m, population=n, seed=0, delta=1e-5,
+                  budget_accountant=accountant, accountants=("rdp", "prv", "pld"), target_epsilon=50.0,
+                  sampling="min_separated" if correlated else "poisson", groups=2 if correlated else 1,
+                  noise_stream=CorrelatedMechanism(stream, horizon=4, groups=2, bands=2) if correlated else GaussianNoise)
+    try:
+        strategy = DPFedAvg(**kwargs)
+    except ValueError as err:
+        assert any(name in str(err) for name in ("noise_multiplier", "clip_norm", "expected_cohort", "population",
+                                                 "budget_accountant")), str(err)
+        return
+    mech = strategy.mechanism
+    if not strategy._out_of_budget(1):  # the round's budget check, its release, the next round's check
+        agg = mech.aggregator(5)
+        agg.add_(SparseUpdate.dense(torch.full((5,), 2.0)), "node")
+        assert torch.isfinite(mech.release(agg, 1).g).all()
+        strategy._out_of_budget(2)
+    assert strategy.epsilons()["rdp"] is not None
