@@ -81,7 +81,8 @@ def test_a_restart_from_the_os_begins_a_new_strategy_and_accounts_it(tmp_path):
                     sampling="min_separated", groups=2, noise_stream=spec)
     _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=3, lr=0.5)
     saved = load_checkpoint(tmp_path / "strategy.pt")
-    assert saved["noise"] is None and saved["stream_start"] is None  # no noise (no buffer) on disk
+    assert saved["noise"] is None and saved["sampler"] is None  # no noise (no buffer, no generator) on disk
+    assert saved["stream_start"] == 1  # a plain number: how the stream numbered its releases
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
     _start(restarted, _plain_client_app(), 8, rounds=5, lr=0.5)
     runs = [(e, n) for e, n in restarted.mechanism.ledger.entries if isinstance(e, MatrixMechanismRun)]
