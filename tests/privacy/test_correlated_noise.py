@@ -335,6 +335,26 @@ def test_a_log_claiming_an_event_its_stream_could_not_have_made_is_refused(tmp_p
         resumed.attach_release_log(ReleaseLog(tmp_path))
 
 
+@pytest.mark.parametrize("kind", sorted(_HORIZON_4))
+def test_an_os_noise_resume_from_its_last_checkpoint_begins_a_new_epoch_that_a_later_resume_reads(tmp_path, kind):
+    """Nothing is lost, yet the OS stream is not continued: its fresh stream (a new horizon at release 4) is marked by
+    a new epoch, so a crash before its first checkpoint resumes with releases 4-5 checked as that stream made them."""
+    ran = _correlated(kind, None)
+    ran.attach_release_log(ReleaseLog(tmp_path))
+    _release(ran, 3)
+    checkpoint = ran.state_dict()
+    resumed = _correlated(kind, None)
+    resumed.load_state_dict(checkpoint)
+    assert resumed.attach_release_log(ReleaseLog(tmp_path)) == 0 and (resumed.epoch, resumed.stream_start) == (1, 4)
+    _release(resumed, 2)
+    again = _correlated(kind, None)
+    again.load_state_dict(checkpoint)
+    assert again.attach_release_log(ReleaseLog(tmp_path)) == 2
+    logged = [e["event"] for e in ReleaseLog(tmp_path).entries]
+    assert [isinstance(e, MatrixMechanismRun) for e in logged] == [True, False, False, True, False]
+    assert [e for e, n in again.ledger.entries for _ in range(n)] == logged
+
+
 def test_an_os_noise_restore_numbers_its_fresh_stream_from_the_next_release():
     """Nothing persisted rebuilds the OS stream: the restored mechanism's next release begins a new horizon."""
     ran = _correlated("blt", None)
