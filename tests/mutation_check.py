@@ -29,7 +29,7 @@ MUTATIONS = [
  ("fedprivacy/privacy/matrix_factorization.py", "        if self._position(release) != 1:", "        if release != 1:", "tests/privacy/test_correlated_noise.py -k one_gaussian_event_per_horizon"),
  ("fedprivacy/privacy/matrix_factorization.py", "    return torch.linalg.vector_norm(strided_column_sum(c, n, separation, k))", "    return torch.linalg.vector_norm(strided_column_sum(c, n, separation, 1))", "tests/privacy/test_correlated_noise.py -k toeplitz_sensitivity_is"),
  ("fedprivacy/privacy/tree.py", "        cap = min(participations, -(-2 ** level // separation))", "        cap = 1", "tests/privacy/test_correlated_noise.py -k tree_sensitivity"),
- ("fedprivacy/privacy/mechanism.py", "            self.stream_start = self.next_release\n", "            pass\n", "tests/engine/test_correlated_run.py -k from_the_os"),
+ ("fedprivacy/privacy/mechanism.py", "            self.stream_starts = [checkpointed, self.next_release]\n", "            self.stream_starts = [checkpointed]\n", "tests/privacy/test_correlated_noise.py -k fresh_stream"),
  ("fedprivacy/privacy/sampling.py", "np.arange((release - 1) % self.groups, self.population, self.groups)", "np.arange(0, self.population, self.groups)", "tests/privacy/test_correlated_noise.py -k b_apart"),
  ("fedprivacy/fl/client_app.py", "        metrics = {}  # nothing but the noisy upload and the events leaves the client\n", "", "tests/engine/test_one_client_path.py -k distributed"),
  # secure aggregation with distributed Skellam noise
@@ -66,6 +66,13 @@ MUTATIONS = [
  ("fedprivacy/privacy/aggregation.py", "AggregationStats(raw_updates=placement == \"central\")", "AggregationStats()", "tests/test_outputs.py -k classified"),
  ("fedprivacy/outputs.py", "    \"update_norm_median\": (False,", "    \"update_norm_median\": (True,", "tests/test_outputs.py -k classified"),
  ("fedprivacy/privacy/tree.py", "for level in range(_trailing_zeros(t) + 1)]", "for level in range(_trailing_zeros(t))]", "tests/engine/test_correlated_run.py -k json_alone"),
+ # hardening III: correlated resume
+ ("fedprivacy/privacy/mechanism.py", "                \"stream_start\": self.stream_start,", "                \"stream_start\": None if secret else self.stream_start,", "tests/privacy/test_correlated_noise.py -k stream_that_made"),
+ ("fedprivacy/privacy/mechanism.py", "        return event == self.event_at(release)\n", "        return True\n", "tests/privacy/test_correlated_noise.py -k could_not_have"),
+ ("fedprivacy/privacy/mechanism.py", "        self.stream_starts = [self.stream_starts[0], *log.new_epochs_since(self.ledger)]", "        self.stream_starts = [self.stream_starts[0]]", "tests/privacy/test_correlated_noise.py -k stream_that_made"),
+ ("fedprivacy/privacy/mechanism.py", "        if lost or (self.secure and self.ledger.rounds >= self.stream_starts[0]):", "        if lost:", "tests/privacy/test_correlated_noise.py -k last_checkpoint"),
+ ("fedprivacy/privacy/release_log.py", "if entry[\"release\"] > ledger.rounds and entry[\"epoch\"] != before[\"epoch\"]]", "if entry[\"release\"] > ledger.rounds and entry[\"epoch\"] > before[\"epoch\"] + 1]", "tests/privacy/test_correlated_noise.py -k last_checkpoint"),
+ ("fedprivacy/privacy/mechanism.py", "        seed = 0 if self.seed is None else rekeyed_seed(self.seed, self.epoch)", "        seed = 0 if self.seed is None else self.seed", "tests/privacy/test_correlated_noise.py -k stream_that_made"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)

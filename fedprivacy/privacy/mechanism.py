@@ -171,7 +171,7 @@ class GaussianMechanism:
         self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure,
                                     groups=self.groups)
         self.noise: NoiseStream = self.noise_stream(seed, device=self.device, secure=self.secure)
-        self.stream_start = self.next_release  # a new stream numbers its releases from here
+        self.stream_starts = [self.next_release]  # a new stream numbers its releases from here
 
     def sample(self) -> np.ndarray:
         """This round's cohort: sorted indices into ``0..population-1`` (Poisson: possibly empty)."""
@@ -196,12 +196,20 @@ class GaussianMechanism:
 
     def could_log(self, release: int, event: AccountedEvent) -> bool:
         """Whether this run could have logged ``event`` for release ``release`` (a resume's check of its release
-        log): exactly :meth:`event_at`, unless the event depends on who answered (:meth:`release_event`)."""
+        log): exactly :meth:`event_at`, numbered by the stream that made it (:meth:`attach_release_log`), unless
+        the event depends on who answered (:meth:`release_event`)."""
         return event == self.event_at(release)
 
+    @property
+    def stream_start(self) -> int:
+        """The release the current noise stream (:attr:`noise`) began at."""
+        return self.stream_starts[-1]
+
     def stream_release(self, release: int) -> int:
-        """The noise stream's number for release ``release`` (its releases count from 1 since it was built)."""
-        return release - self.stream_start + 1
+        """The noise stream's number for release ``release``: its releases count from 1 since the stream that
+        makes it was built, the last of :attr:`stream_starts` not after it (the current one for every release
+        still to come; during a resume's check, the streams that made the logged releases)."""
+        return release - max(start for start in self.stream_starts if start <= release) + 1
 
     def release_event(self, agg: PrivateSum) -> AccountedEvent:
         """What the release of ``agg`` is accounted as (seam): the planned :meth:`event`; a mechanism whose noise
@@ -269,16 +277,24 @@ class GaussianMechanism:
         them, before a checkpoint) and re-key the generators so that no re-run round reuses a draw or a
         cohort. Returns how many such releases were found.
 
+        The logged releases beyond the ledger were made by the checkpointed stream (numbered from its start, which
+        the checkpoint keeps), then by the stream of each resume since, which began a new epoch: each is checked
+        as numbered by the stream that made it (:meth:`ReleaseLog.new_epochs_since`). A resume that does not
+        continue the checkpointed stream (it found such releases, or the stream's noise came from the OS and
+        nothing persisted rebuilds it) begins a new epoch and a fresh stream at the next release, accounted anew
+        from its first release (a new horizon).
+
         Raises:
             ValueError: the log cannot be the record of this run's releases (it holds fewer than the
                 ledger, or an event other than the ledger's or this mechanism's; :meth:`ReleaseLog.check`).
         """
+        self.stream_starts = [self.stream_starts[0], *log.new_epochs_since(self.ledger)]
         log.check(self.ledger, self.could_log)
         self.release_log = log
         lost = log.lost_since(self.ledger)
-        if lost:
-            for event in lost:
-                self.ledger.compose(event)
+        for event in lost:
+            self.ledger.compose(event)
+        if lost or (self.secure and self.ledger.rounds >= self.stream_starts[0]):
             self.epoch = log.start_epoch(self.epoch)
             self._seed_generators()
         else:
@@ -287,25 +303,29 @@ class GaussianMechanism:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The ledger, the epoch, the adaptive clip and, for a seeded simulation only, the generators' and the
-        noise stream's states (from the OS, they are not persisted: nothing written to disk rebuilds a secure draw
-        or cohort, and nothing holds noise; a correlated stream then restarts at the resume, accounted anew)."""
+        """The ledger, the epoch, the adaptive clip, the release the noise stream began at (a number: how its
+        releases are numbered) and, for a seeded simulation only, the generators' and the noise stream's states
+        (from the OS, they are not persisted: nothing written to disk rebuilds a secure draw or cohort, and nothing
+        holds noise; a correlated stream then restarts at the resume, accounted anew)."""
         secret = self.secure
         return {"sampler": None if secret else self.sampler.state_dict(),
                 "noise": None if secret else self.noise.state_dict(),
-                "stream_start": None if secret else self.stream_start,
+                "stream_start": self.stream_start,
                 "ledger": self.ledger.state_dict(), "noise_epoch": self.epoch,
                 "adaptive_clip": self.adaptive.state_dict() if self.adaptive else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; then :meth:`attach_release_log` (a resume) checks and accounts the releases
+        logged after it."""
         self.epoch = int(state.get("noise_epoch", 0))
         self.ledger = PrivacyLedger.from_state_dict(state["ledger"])
+        checkpointed = int(state.get("stream_start") or self.next_release)  # None: saved before it was kept
         if not self.secure:
             self.sampler.load_state_dict(state["sampler"])
             self.noise.load_state_dict(state["noise"])
-            self.stream_start = int(state.get("stream_start") or 1)
+            self.stream_starts = [checkpointed]
         else:  # a fresh stream from the OS: its numbering (and a correlated strategy) starts at the next release
-            self.stream_start = self.next_release
+            self.stream_starts = [checkpointed, self.next_release]
         if self.adaptive:
             self.adaptive.load_state_dict(state["adaptive_clip"])
 

@@ -18,10 +18,13 @@ carried their ``type`` is a :class:`~fedprivacy.privacy.accounting.GaussianRound
 - ``release`` is the release's position in the privacy ledger (1, 2, ...), re-runs included;
 - ``draw`` identifies the generator state the noise is drawn from (``None`` when the server draws
   nothing), so a reused draw is detectable and refused (:meth:`ReleaseLog.record`);
-- ``epoch`` counts resumes that found releases beyond their checkpoint. Such a resume composes the
-  lost releases' events into the ledger (:meth:`ReleaseLog.lost_since`) and re-keys the noise
-  generator and the cohort sampler with the next epoch (:func:`rekeyed_seed`), so no re-run round
-  reuses a draw or a cohort. A resume from the last release's checkpoint changes nothing (bit-identical).
+- ``epoch`` counts resumes that began a new noise stream: every resume that found releases beyond its
+  checkpoint and, with noise from the OS (nothing persisted rebuilds a stream), every resume after a
+  release. Such a resume composes the lost releases' events into the ledger (:meth:`ReleaseLog.lost_since`)
+  and re-keys the noise generator and the cohort sampler with the next epoch (:func:`rekeyed_seed`), so
+  no re-run round reuses a draw or a cohort. A seeded resume from the last release's checkpoint changes
+  nothing (bit-identical). Where the epoch changes, the log shows where a stream began, so a later resume
+  checks each lost release against the stream that made it (its position in a correlated strategy).
 
 A last line cut short by a crash during its own write (not even JSON) is ignored, and cut off the
 file before the next record is appended: its release had not happened yet (the line is complete, fsynced, before the
@@ -143,6 +146,12 @@ class ReleaseLog:
             if not ok:
                 raise ValueError(f"{self.path}: release {position} logs the event {event_to_dict(entry['event'])}, "
                                  f"but {want}; refusing a log of other releases")
+
+    def new_epochs_since(self, ledger: PrivacyLedger) -> list[int]:
+        """The releases after ``ledger`` that a resume made first in its new epoch (:meth:`start_epoch`), where it
+        began a new noise stream: each whose epoch differs from the record before it."""
+        return [entry["release"] for before, entry in zip(self.entries, self.entries[1:])
+                if entry["release"] > ledger.rounds and entry["epoch"] != before["epoch"]]
 
     def lost_since(self, ledger: PrivacyLedger) -> list[AccountedEvent]:
         """The events of releases made after ``ledger`` was checkpointed (it holds releases 1..``ledger.rounds``)."""

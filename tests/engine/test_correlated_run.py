@@ -13,8 +13,9 @@ from dp_accounting import rdp
 
 from fedprivacy.config import ConfigError
 from fedprivacy.fl.strategy import DPFedAvg
+from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.outputs import load_checkpoint
-from fedprivacy.privacy.accounting import MatrixMechanismRun, epsilon
+from fedprivacy.privacy.accounting import CoveredRelease, MatrixMechanismRun, epsilon
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.run import run
@@ -82,12 +83,41 @@ def test_a_restart_from_the_os_begins_a_new_strategy_and_accounts_it(tmp_path):
                     sampling="min_separated", groups=2, noise_stream=spec)
     _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=3, lr=0.5)
     saved = load_checkpoint(tmp_path / "strategy.pt")
-    assert saved["noise"] is None and saved["stream_start"] is None  # no noise (no buffer) on disk
+    assert saved["noise"] is None and saved["sampler"] is None  # no noise (no buffer, no generator) on disk
+    assert saved["stream_start"] == 1  # a plain number: how the stream numbered its releases
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
     _start(restarted, _plain_client_app(), 8, rounds=5, lr=0.5)
     runs = [(e, n) for e, n in restarted.mechanism.ledger.entries if isinstance(e, MatrixMechanismRun)]
     assert sum(n for _, n in runs) == 2  # release 1 and release 4: the resumed strategy is a new Gaussian release
     assert restarted.mechanism.stream_start == 4
+
+
+def test_an_os_noise_blt_run_killed_after_logging_release_4_before_its_checkpoint_resumes(tmp_path, monkeypatch):
+    """Before: every restart was refused ("release 4 logs the event CoveredRelease(by=blt) but this run cannot have
+    made it there"): the lost release, made by the old stream at its position 4, was checked against a new stream's
+    first release. Now it is accounted as logged, and round 4 runs again on a fresh stream, a new horizon."""
+    spec = CorrelatedMechanism(kind="blt", horizon=6, groups=2, buffers=2)
+    settings = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, delta=1e-3, seed=None,
+                    sampling="min_separated", groups=2, noise_stream=spec)
+    save = StrategyState.save
+
+    def killed_at_round_4(self, settings, state):  # release 4 is logged (fsynced), its checkpoint never written
+        if state["round"] == 4:
+            raise KeyboardInterrupt
+        save(self, settings, state)
+    monkeypatch.setattr(StrategyState, "save", killed_at_round_4)
+    with pytest.raises(KeyboardInterrupt):
+        _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=6, lr=0.5)
+    monkeypatch.setattr(StrategyState, "save", save)
+    assert load_checkpoint(tmp_path / "strategy.pt")["round"] == 3
+    assert ReleaseLog(tmp_path).entries[3]["event"] == CoveredRelease(1.0, "blt")
+    restarted = DPFedAvg(**settings, state_dir=tmp_path)
+    _start(restarted, _plain_client_app(), 8, rounds=6, lr=0.5)
+    entries = ReleaseLog(tmp_path).entries
+    assert [(e["round"], e["epoch"]) for e in entries] == [(1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 1), (6, 1)]
+    assert [e for e, n in restarted.mechanism.ledger.entries for _ in range(n)] == [e["event"] for e in entries]
+    assert [isinstance(e["event"], MatrixMechanismRun) for e in entries] == [k in (1, 5) for k in range(1, 8)]
+    assert restarted.mechanism.stream_start == 5 and restarted.round == 6
 
 
 def test_auto_calibrates_the_correlated_run_to_the_target(small_config):

@@ -3,6 +3,7 @@ implies, its sensitivity is the true maximum over participation patterns, its ac
 state, and every combination without sound accounting is refused."""
 
 import itertools
+import json
 import math
 
 import dp_accounting
@@ -15,9 +16,11 @@ from fedprivacy.privacy.accounting import CoveredRelease, GaussianRound, MatrixM
 from fedprivacy.privacy.bandmf import BandMFNoise, bandmf_coefficients
 from fedprivacy.privacy.blt import BLTNoise, blt_coefficients, blt_loss, blt_parameters
 from fedprivacy.privacy.correlated import CorrelatedMechanism
+from fedprivacy.privacy.events import event_to_dict
 from fedprivacy.privacy.matrix_factorization import inverse_coefficients, prefix_error, toeplitz_sensitivity
 from fedprivacy.privacy.mechanism import GaussianMechanism, planned_ledger
 from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.privacy.release_log import RELEASES, ReleaseLog
 from fedprivacy.privacy.sampling import make_sampler
 from fedprivacy.privacy.tree import TreeNoise, level_variance, tree_sensitivity
 
@@ -259,6 +262,106 @@ def test_min_separated_independent_noise_is_one_gaussian_per_cycle():
     assert [(type(e).__name__, n) for e, n in ledger.entries][:2] == [("GaussianRound", 1), ("CoveredRelease", 2)]
     assert epsilon(ledger, 1e-5, "rdp") == pytest.approx(
         epsilon(PrivacyLedger([(GaussianRound(2.0, "none", 30, 30.0), 3)]), 1e-5, "rdp"), rel=1e-12)
+
+
+# -- a resume after a crash between a logged release and its checkpoint ------------------------------------
+_HORIZON_4 = {"tree": CorrelatedMechanism(kind="tree", horizon=4, groups=2),
+              "bandmf": CorrelatedMechanism(kind="bandmf", horizon=4, groups=2, bands=2),
+              "blt": CorrelatedMechanism(kind="blt", horizon=4, groups=2, buffers=2)}
+
+
+def _correlated(kind: str, seed: int | None) -> GaussianMechanism:
+    return GaussianMechanism(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, seed=seed,
+                             sampling="min_separated", groups=2, noise_stream=_HORIZON_4[kind])
+
+
+def _release(mechanism: GaussianMechanism, releases: int) -> None:
+    for _ in range(releases):
+        mechanism.release(mechanism.aggregator(5), mechanism.next_release)
+
+
+def _crash_twice(folder, kind: str, seed: int | None) -> tuple[dict, GaussianMechanism]:
+    """Releases 1-3 checkpointed; 4-6 logged, then a crash; the resume logs 7-8, then crashes before a checkpoint.
+    Returns the checkpoint and the mechanism of the second resume."""
+    first = _correlated(kind, seed)
+    first.attach_release_log(ReleaseLog(folder))
+    _release(first, 3)
+    checkpoint = first.state_dict()
+    _release(first, 3)  # release 5 begins the strategy's second horizon
+    resumed = _correlated(kind, seed)
+    resumed.load_state_dict(checkpoint)
+    assert resumed.attach_release_log(ReleaseLog(folder)) == 3 and (resumed.epoch, resumed.stream_start) == (1, 7)
+    _release(resumed, 2)
+    again = _correlated(kind, seed)
+    again.load_state_dict(checkpoint)
+    assert again.attach_release_log(ReleaseLog(folder)) == 5 and (again.epoch, again.stream_start) == (2, 9)
+    return checkpoint, again
+
+
+@pytest.mark.parametrize("seed", [None, 0], ids=["os", "seeded"])
+@pytest.mark.parametrize("kind", sorted(_HORIZON_4))
+def test_lost_releases_across_horizons_and_resumes_are_each_checked_against_the_stream_that_made_them(
+        tmp_path, kind, seed):
+    """Before: under OS noise, release 4 was checked against a new stream's first release and refused, whatever
+    was logged; the run could never go on."""
+    checkpoint, resumed = _crash_twice(tmp_path, kind, seed)
+    assert checkpoint["noise"] is None if seed is None else checkpoint["noise"] is not None
+    _release(resumed, 1)
+    entries = ReleaseLog(tmp_path).entries
+    logged = [e["event"] for e in entries]
+    assert [e for e, n in resumed.ledger.entries for _ in range(n)] == logged  # every logged release, accounted
+    new_horizon = [isinstance(e, MatrixMechanismRun) for e in logged]  # horizon 4: releases 1 and 5; resumes: 7, 9
+    assert new_horizon == [k in (1, 5, 7, 9) for k in range(1, 10)]
+    assert [e["epoch"] for e in entries] == [0] * 6 + [1] * 2 + [2]
+    draws = [e["draw"] for e in entries]
+    assert len(set(draws)) == len(draws)  # no draw released twice (seeded: re-keyed by the epoch)
+
+
+@pytest.mark.parametrize(("release", "forged"), [
+    (7, CoveredRelease(1.0, "blt")),  # a resume's new stream claimed as covered by the old one
+    (5, CoveredRelease(1.0, "blt")),  # the second horizon's start claimed as covered by the first
+    (6, MatrixMechanismRun(1.0, "blt", 4, 2, 2)),  # a new stream mid-horizon, with no resume (epoch) there
+])
+def test_a_log_claiming_an_event_its_stream_could_not_have_made_is_refused(tmp_path, release, forged):
+    checkpoint, _ = _crash_twice(tmp_path, "blt", None)
+    lines = (tmp_path / RELEASES).read_text().splitlines(keepends=True)
+    entry = json.loads(lines[release - 1])
+    entry["event"] = event_to_dict(forged)
+    lines[release - 1] = json.dumps(entry) + "\n"
+    (tmp_path / RELEASES).write_text("".join(lines))
+    resumed = _correlated("blt", None)
+    resumed.load_state_dict(checkpoint)
+    with pytest.raises(ValueError, match=f"release {release} logs the event .* cannot have made it there"):
+        resumed.attach_release_log(ReleaseLog(tmp_path))
+
+
+@pytest.mark.parametrize("kind", sorted(_HORIZON_4))
+def test_an_os_noise_resume_from_its_last_checkpoint_begins_a_new_epoch_that_a_later_resume_reads(tmp_path, kind):
+    """Nothing is lost, yet the OS stream is not continued: its fresh stream (a new horizon at release 4) is marked by
+    a new epoch, so a crash before its first checkpoint resumes with releases 4-5 checked as that stream made them."""
+    ran = _correlated(kind, None)
+    ran.attach_release_log(ReleaseLog(tmp_path))
+    _release(ran, 3)
+    checkpoint = ran.state_dict()
+    resumed = _correlated(kind, None)
+    resumed.load_state_dict(checkpoint)
+    assert resumed.attach_release_log(ReleaseLog(tmp_path)) == 0 and (resumed.epoch, resumed.stream_start) == (1, 4)
+    _release(resumed, 2)
+    again = _correlated(kind, None)
+    again.load_state_dict(checkpoint)
+    assert again.attach_release_log(ReleaseLog(tmp_path)) == 2
+    logged = [e["event"] for e in ReleaseLog(tmp_path).entries]
+    assert [isinstance(e, MatrixMechanismRun) for e in logged] == [True, False, False, True, False]
+    assert [e for e, n in again.ledger.entries for _ in range(n)] == logged
+
+
+def test_an_os_noise_restore_numbers_its_fresh_stream_from_the_next_release():
+    """Nothing persisted rebuilds the OS stream: the restored mechanism's next release begins a new horizon."""
+    ran = _correlated("blt", None)
+    _release(ran, 3)
+    restored = _correlated("blt", None)
+    restored.load_state_dict(ran.state_dict())
+    assert restored.stream_start == 4 and isinstance(restored.event(), MatrixMechanismRun)
 
 
 # -- participation ------------------------------------------------------------------------------------
