@@ -229,7 +229,7 @@ class Workload:
         self.params = SkellamParams(dim=d, clip_norm=self.clip, noise_multiplier=self.z, expected_cohort=self.n,
                                     bits=args.bits)
         self.secagg = SecureAggregation(threshold=args.threshold, neighbours=args.neighbours, bits=args.bits)
-        self.settings = ClientSettings(self.z, self.clip, self.n, args.bits)
+        self.settings = ClientSettings(self.z, self.clip, self.n, args.bits, args.threshold, args.neighbours)
 
     def stub(self, meter: Meter) -> Callable[[Message, Context], Message]:
         """The client's "training": its full weights, the broadcast plus its delta (timed as STUB)."""
