@@ -383,11 +383,15 @@ class SecAggRound:
             if len(got) < self.settings.threshold:
                 raise SecAggAborted(f"round {self.round}: secure aggregation aborted at unmask: {len(got)} "
                                     f"shares of node {node}'s secret, threshold={self.settings.threshold}")
-            secret = combine_shares(got[: self.settings.threshold])
-            if node in alive:
+            try:
+                secret = combine_shares(got[: self.settings.threshold])
+                private = None if node in alive else bytes_to_private_key(secret)
+            except (ValueError, TypeError, UnsupportedAlgorithm) as err:
+                raise SecAggAborted(f"round {self.round}: secure aggregation aborted at unmask: node {node}'s shares do "
+                                    f"not combine ({err})") from None
+            if private is None:
                 total += prg_mask(secret, size, bits)
                 continue
-            private = bytes_to_private_key(secret)
             for j in self.neighbours[node]:
                 if j in alive and j != node:  # j added +mask if j > node, -mask otherwise
                     pair = prg_mask(generate_shared_key(private, bytes_to_public_key(self.public_keys[j][0])), size, bits)
