@@ -405,3 +405,21 @@ def test_a_neighbour_whose_identity_key_is_not_in_the_roster_is_refused(monkeypa
         return
     assert len(errors) == HONEST.neighbours and all("not in this node's roster" in r for r in errors.values())
     assert strategy.mechanism.ledger.rounds == 0
+
+
+@pytest.mark.slow
+def test_a_public_key_not_signed_by_its_nodes_identity_key_is_refused(monkeypatch):
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+
+    class Substitute(secagg.SecAggRound):
+        def keys_content(self, node, alive):  # the server's own mask key in place of X's, X's signature kept
+            record = super().keys_content(node, alive)
+            x = str(min(alive))
+            if x in record and node != min(alive):
+                record[x] = [public_key_to_bytes(generate_key_pairs()[1]), *list(record[x])[1:]]
+            return record
+
+    strategy, _, grid = _malicious(monkeypatch, Substitute)
+    errors, _ = _replies(grid, "share-keys")
+    assert errors and all("not signed by its identity key" in r for r in errors.values())
+    assert strategy.mechanism.ledger.rounds == 0
