@@ -238,7 +238,7 @@ class SecAggRound:
             if node not in nodes or node in out:
                 continue
             if reply.has_error():
-                self.fail(stage, node, reply.error.reason)
+                self.fail(stage, node, reply.error.reason or "error reply")
             elif SECAGG not in reply.content.config_records:
                 self.fail(stage, node, "no secagg record")
             else:
@@ -513,10 +513,10 @@ def _setup(rnd: int, nid: int, run: int, config: Mapping[str, Any], settings: Cl
         raise ValueError(f"secure aggregation: the server announced a neighbourhood of {size!r} nodes; this node's "
                          f"settings allow threshold={settings.threshold} to neighbours={settings.neighbours}")
     (sk1, pk1), (sk2, pk2) = generate_key_pairs(), generate_key_pairs()
-    state = {"round": rnd, "nid": nid, "threshold": settings.threshold,
-             "sk1": private_key_to_bytes(sk1), "sk2": private_key_to_bytes(sk2),
-             "pk1": public_key_to_bytes(pk1), "pk2": public_key_to_bytes(pk2),
-             "identity": public_key_to_bytes(identity.public_key())}
+    state: dict[str, Any] = {"round": rnd, "nid": nid, "threshold": settings.threshold,
+                             "sk1": private_key_to_bytes(sk1), "sk2": private_key_to_bytes(sk2),
+                             "pk1": public_key_to_bytes(pk1), "pk2": public_key_to_bytes(pk2),
+                             "identity": public_key_to_bytes(identity.public_key())}
     state["signature"] = sign_message(identity, keys_transcript(run, rnd, nid, state["pk1"], state["pk2"]))
     return state, {k: state[k] for k in ("pk1", "pk2", "identity", "signature")}
 
@@ -562,9 +562,9 @@ def _share_keys(state: dict[str, Any], config: Mapping[str, Any], settings: Clie
         if j == nid:
             state["own-seed-share"], state["own-key-share"] = b_share, c_share
             continue
-        key = generate_shared_key(sk2, bytes_to_public_key(peers[j][1]))
+        shared_key = generate_shared_key(sk2, bytes_to_public_key(peers[j][1]))
         dsts.append(j)
-        texts.append(encrypt(key, share_keys_plaintext_concat(nid, j, b_share, c_share)))
+        texts.append(encrypt(shared_key, share_keys_plaintext_concat(nid, j, b_share, c_share)))
     state.update({"seed": seed, "peers": order, "peer-pk1": [peers[j][0] for j in order],
                   "peer-pk2": [peers[j][1] for j in order], "peer-identity": identities})
     return {"destinations": dsts, "ciphertexts": texts}

@@ -359,7 +359,7 @@ def test_unmask_without_threshold_valid_consistency_signatures_is_refused(monkey
             if node == min(self.shared):
                 signatures = list(record["signatures"])
                 record["signatures"] = {"forged": [os.urandom(len(s)) for s in signatures],
-                                        "swapped": signatures[1:] + signatures[:1]}.get(forgery, [])
+                                        "swapped": signatures[1::-1] + signatures[2:]}.get(forgery, [])
                 if forgery == "missing":
                     del record["signatures"], record["signers"]
             return record
