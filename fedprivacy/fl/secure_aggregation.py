@@ -235,8 +235,8 @@ class SecAggRound:
         out: dict[int, ConfigRecord] = {}
         for reply in self.grid.send_and_receive([message(n) for n in nodes], timeout=self.settings.timeout):
             node = reply.metadata.src_node_id
-            if node not in nodes or node in out:
-                continue
+            if node not in nodes or node in out or node in self.failed.get(stage, {}):
+                continue  # not asked, or answered already: its first answer stands
             if reply.has_error():
                 self.fail(stage, node, reply.error.reason or "error reply")
             elif SECAGG not in reply.content.config_records:
