@@ -4,7 +4,7 @@ the plaintext distributed placement, and where the time goes.
 The protocol of :mod:`fedprivacy.fl.secure_aggregation` runs in this process without Flower's network: a
 :class:`LocalGrid` (``send_and_receive`` only, the one call :class:`~fedprivacy.fl.secure_aggregation.SecAggRound`
 makes) hands each message to its node's :func:`~fedprivacy.fl.secure_aggregation.handle` (one ``Context`` per
-node, kept across the four stages) and returns the replies. The server's side is the strategy's: ``prepare()``
+node, kept across the five stages) and returns the replies. The server's side is the strategy's: ``prepare()``
 (setup, share-keys), the ``collect`` messages (``arrays``: the broadcast model, ``config``: ``server-round``,
 ``secagg``: ``collect_content(node)``), :func:`~fedprivacy.fl.secure_aggregation.masked_upload` summed by
 :class:`~fedprivacy.privacy.secure_mechanism.SecureSum`, ``check``, then ``SecureSum.release`` (``unmask``: Shamir
@@ -26,7 +26,7 @@ clip + ``N(0, z^2 C^2 / m)`` over the dense update, a float32 upload of d values
 server decodes each reply and sums it (``PrivateSum``, placement distributed: no clip, no noise when all m arrive,
 the top-up draw when one is missing).
 
-- **seconds per client per round**: a client's time over all four stages (its handler's wall time minus the
+- **seconds per client per round**: a client's time over all five stages (its handler's wall time minus the
   stub), averaged over the cohort; per repetition, and its ratio to the plaintext mod's in the same repetition;
   median [min, max] over ``--repeat`` repetitions.
 - **where the time goes**: the protocol's primitives are wrapped with timers while it runs (their names in
@@ -95,7 +95,10 @@ SA_TIMED = {  # names in fedprivacy.fl.secure_aggregation -> what the tables cal
     "generate_shared_key": "ECDH + HKDF", "encrypt": "Fernet: encrypt", "decrypt": "Fernet: decrypt",
     "prg_mask": "PRG masks (AES-CTR)", "record_to_layout": "read model + reply", "reply_to_update": "read model + reply",
     "arrays_to_record": "upload record", "pack_bits": "pack upload (b bits each)", "unpack_bits": "unpack upload",
+    "sign_message": "ECDSA sign (identity)", "verify_signature": "ECDSA verify (identity)",
 }
+ADDED = ("ECDSA sign (identity)", "ECDSA verify (identity)")
+"""The client's operations that the protocol against a lying server adds (with its consistency stage)."""
 
 
 # -- timing and bytes ----------------------------------------------------------------------------------------
@@ -229,7 +232,7 @@ class Workload:
         self.params = SkellamParams(dim=d, clip_norm=self.clip, noise_multiplier=self.z, expected_cohort=self.n,
                                     bits=args.bits)
         self.secagg = SecureAggregation(threshold=args.threshold, neighbours=args.neighbours, bits=args.bits)
-        self.settings = ClientSettings(self.z, self.clip, self.n, args.bits)
+        self.settings = ClientSettings(self.z, self.clip, self.n, args.bits, args.threshold, args.neighbours)
 
     def stub(self, meter: Meter) -> Callable[[Message, Context], Message]:
         """The client's "training": its full weights, the broadcast plus its delta (timed as STUB)."""
@@ -291,7 +294,17 @@ def secagg_round(w: Workload, rnd_no: int, meter: Meter, drop: int | None = None
         rnd.check(agg.survivors)
         server["unpack + sum masked uploads"] = time.perf_counter() - t0
         before = (grid.client_seconds, grid.bookkeeping)
-        unmask_wall = []
+        unmask_wall, consistency_wall = [], []
+        honest_consistency = rnd.consistency
+
+        def consistency(survivors: list[int]) -> list[int]:
+            t, clients = time.perf_counter(), grid.client_seconds + grid.bookkeeping
+            with meter.on("server", "consistency"):
+                out = honest_consistency(survivors)
+            consistency_wall.append(time.perf_counter() - t - (grid.client_seconds + grid.bookkeeping - clients))
+            return out
+
+        rnd.consistency = consistency  # type: ignore[method-assign]
 
         def unmask() -> np.ndarray:
             t = time.perf_counter()
@@ -305,7 +318,8 @@ def secagg_round(w: Workload, rnd_no: int, meter: Meter, drop: int | None = None
             released = agg.release(None)
         release_wall = time.perf_counter() - t0
     unmask_clients = grid.client_seconds - before[0] + grid.bookkeeping - before[1]
-    server["unmask (wall, clients' unmask answers excluded)"] = unmask_wall[0] - unmask_clients
+    server["consistency (wall, clients' answers excluded)"] = consistency_wall[0]
+    server["unmask (wall, clients' unmask answers excluded)"] = unmask_wall[0] - unmask_clients - consistency_wall[0]
     decode = meter.seconds["server", "unmask", "Skellam decode"]
     server["decode (unscale + inverse rotation)"] = decode
     server["release: subtract masks, divide by m"] = release_wall - unmask_wall[0] - decode
@@ -566,7 +580,7 @@ def run_size(d: int, args: argparse.Namespace) -> None:
           f"{sec_up / plain_up:.2f}x |")
     print(f"| bytes down | {plain_down:,.0f} ({plain_down / four_d:.3f} x 4d) | {sec_down:,.0f} "
           f"({sec_down / four_d:.3f} x 4d) | {sec_down / plain_down:.2f}x |")
-    print("| messages down + up | 1 + 1 | 4 + 4 | |")
+    print(f"| messages down + up | 1 + 1 | {len(sa.STAGES)} + {len(sa.STAGES)} | |")
     print(f"| server ms per round ({w.n} clients) | {ms(srv_plain)} | {ms(srv_sec)} | "
           f"{ratio([b / a for a, b in zip(srv_plain, srv_sec)])} |")
 
@@ -635,6 +649,24 @@ def run_size(d: int, args: argparse.Namespace) -> None:
           f"{sec_down - plain_down:,.0f} | {sec_up - per_stage['collect', 'up']:,.0f} |")
     print(f"| SecAgg+ upload (D = {p.padded_dim:,} values of b = {p.bits} bits) minus the plaintext one (float32 of d) | | "
           f"{per_stage['collect', 'up'] - plain_up:,.0f} |")
+
+    consistency_key = "consistency (wall, clients' answers excluded)"
+    added = [r["client"]["consistency", "total"] + sum(r["client"][st, op] for st in sa.STAGES if st != "consistency"
+                                                        for op in ADDED) for r in reps]
+    print("\nWhat the protocol against a lying server adds (identity signatures in setup, their checks in share-keys, "
+          "the consistency stage, the signature checks in unmask) against the rest of the protocol (median [min, max]; "
+          "share: of the client's SecAgg+ total, of the server's)\n")
+    print("| part | ms | share | bytes down | bytes up |")
+    print("|---|---|---|---|---|")
+    print(f"| client: consistency stage + ECDSA sign/verify in the other stages | {ms(added)} | "
+          f"{statistics.median(a / r['client_total'] for a, r in zip(added, reps)):.1%} | "
+          f"{per_stage['consistency', 'down']:,.0f} | "
+          f"{per_stage['consistency', 'up']:,.0f} |")
+    print(f"| client: the rest of SecAgg+ (the previous protocol's work) | "
+          f"{ms([r['client_total'] - a for a, r in zip(added, reps)])} | | | |")
+    print(f"| server: consistency round (verify {w.n} signatures) | "
+          f"{ms([r['secagg']['server'][consistency_key] for r in reps])} | "
+          f"{statistics.median(r['secagg']['server'][consistency_key] / t for r, t in zip(reps, srv_sec)):.1%} | | |")
 
     # the dropout rounds
     unmask_key = "unmask (wall, clients' unmask answers excluded)"

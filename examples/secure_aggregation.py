@@ -15,7 +15,9 @@ from dp_strategy import USERS, accuracy, train  # this folder's stock client (th
 from fedprivacy import DPFedAvg, SecureAggregation, secure_aggregation_mod
 
 ROUNDS, COHORT, Z, C, BITS = 10, 10, 1.0, 1.0, 20
-client_app = ClientApp(mods=[secure_aggregation_mod(noise_multiplier=Z, clip_norm=C, expected_cohort=COHORT, bits=BITS)])
+THRESHOLD, NEIGHBOURS = 4, 5  # each client refuses any other threshold or a larger neighbourhood
+client_app = ClientApp(mods=[secure_aggregation_mod(noise_multiplier=Z, clip_norm=C, expected_cohort=COHORT, bits=BITS,
+                                                    threshold=THRESHOLD, neighbours=NEIGHBOURS)])
 client_app.train()(train)
 server_app = ServerApp()
 
@@ -24,7 +26,7 @@ server_app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     strategy = DPFedAvg(noise_multiplier=Z, clip_norm=C, expected_cohort=COHORT, population=USERS, delta=1e-3,
                         placement="distributed", accountants=("rdp",),
-                        secure_aggregation=SecureAggregation(threshold=4, neighbours=5, bits=BITS),
+                        secure_aggregation=SecureAggregation(threshold=THRESHOLD, neighbours=NEIGHBOURS, bits=BITS),
                         optimizer="sgd", lr=0.5, optimizer_settings={"momentum": 0.9})
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(nn.Linear(20, 2).state_dict()),
                             num_rounds=ROUNDS, train_config=ConfigRecord())

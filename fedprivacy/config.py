@@ -351,7 +351,8 @@ class SecureAggregationConfig(_Section):
     the sum of the clients' noisy integer shares. Needs ``placement: distributed`` and Poisson sampling."""
 
     threshold: int = Field(ge=2)
-    """t: shares needed to rebuild a node's secrets; the fewest survivors a round completes with."""
+    """t: shares needed to rebuild a node's secrets; the fewest survivors a round completes with; more than half of
+    ``neighbours`` (each client refuses any other threshold)."""
     neighbours: int = Field(ge=3)
     """k: each node's neighbourhood, itself included (odd; the whole cohort when larger)."""
     bits: int = Field(20, ge=8, le=32)
@@ -364,6 +365,10 @@ class SecureAggregationConfig(_Section):
         if self.threshold > self.neighbours or self.neighbours % 2 == 0:
             raise ValueError(f"privacy.secure_aggregation needs threshold <= neighbours and neighbours odd, got "
                              f"threshold={self.threshold}, neighbours={self.neighbours}")
+        if not 2 * self.threshold > self.neighbours:
+            raise ValueError(f"privacy.secure_aggregation.threshold must exceed half of neighbours (2 * threshold > "
+                             f"neighbours: else a server lying about dropouts can unmask a client), got threshold="
+                             f"{self.threshold}, neighbours={self.neighbours}")
         return self
 
 

@@ -147,8 +147,8 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         if secagg is not None and is_secagg(msg):  # SecAgg+: the protocol's stages, training in its collect stage
             p, secret = c.privacy, c.privacy.secure_noise or cfg is None
             assert p.noise_multiplier != "auto", "the server sends the calibrated config"
-            settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits,
-                                      seed=None if secret else c.seed)
+            settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits, secagg.threshold,
+                                      secagg.neighbours, seed=None if secret else c.seed)
             return handle(msg, context, settings, train_plain)
         return train_plain(msg, context)
 

@@ -249,11 +249,14 @@ class DPFedAvgServer:
             where = (f"Skellam noise shares added by the clients and summed under SecAgg+ (threshold {sa.threshold} of "
                      f"{sa.neighbours} neighbours, modulus 2^{sa.bits}): the server sees each client's upload only "
                      "masked (uniform mod 2^bits) and learns only the sum of the survivors' noisy shares; it cannot see "
-                     "any single update, norm or training loss. Holds against an honest-but-curious server colluding "
-                     f"with fewer than {sa.threshold} clients of a neighbourhood; each round is accounted with the noise "
-                     "its surviving clients actually added (RDP of the Skellam mechanism, no top-up). Not covered: a "
-                     "malicious server lying about dropouts to a majority of a neighbourhood, or a server that "
-                     "distributes a config with less noise (the clients take z, C and m from the run config)")
+                     "any single update, norm or training loss. Holds against a server that sends any messages (lies "
+                     "about dropouts, neighbourhoods or the threshold: each client checks them against its own "
+                     "settings, signatures and a consistency round) colluding with c clients of a neighbourhood while "
+                     f"2*threshold > neighbours + c (here {2 * sa.threshold - sa.neighbours - 1} colluders at most); each "
+                     "round is accounted with the noise its surviving clients actually added (RDP of the Skellam "
+                     "mechanism, no top-up). Not covered: a server that invents clients or substitutes their keys "
+                     "unless the clients hold a roster of trusted identity keys, agreement on the survivor set across "
+                     "distant parts of the neighbour ring, or a server that distributes a config with less noise")
         records = ("; clients train with sample-level DP (record-level epsilon of each client, at its own delta, "
                    "in client_privacy.csv)" if self.cfg.client.sample_dp is not None else "")
         side = ("; AdaDPS side information built from public inputs only (provenance in side_information.json)"

@@ -320,7 +320,6 @@ class DPFedAvg(Strategy):
             receivers = self._secagg.prepare()
         except SecAggAborted as err:
             log.error("%s: nothing released, nothing accounted", err)
-            self._secagg = None
             return []
         return [self._train_message(t, {**content, SECAGG: self._secagg.collect_content(node)}, node)
                 for node in receivers]
@@ -364,14 +363,12 @@ class DPFedAvg(Strategy):
     def _aggregate_secure(self, t: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord]:
         """The SecAgg+ round's end (:mod:`fedprivacy.fl.secure_aggregation`): sum the masked uploads mod 2^b, check
         the survivors, log the release ahead with the noise they added, unmask, decode, post-process. Below the
-        threshold the round ends with one logged line, the model unchanged and nothing accounted."""
+        threshold the round ends with one logged line, the model unchanged and nothing accounted. Each stage's
+        failed nodes are logged and counted (``secagg_failed_<stage>``); ``cohort_dropped`` counts the sampled nodes
+        that failed before their masked upload, ``secagg_survivors`` the uploads accepted."""
         secagg, self._secagg = self._secagg, None
         self.round = t
-        aborted: dict[str, Any] = {**self._epsilon_metrics(), **self._round_metrics(), "secagg_aborted": 1.0,
-                                   "secagg_survivors": 0.0}
-        if secagg is None:  # aborted before the model was sent (logged then): no message went out, no reply comes
-            return self._record, MetricRecord(aborted)
-        assert self.params is not None
+        assert self.params is not None and secagg is not None
         agg = self.mechanism.aggregator(self.params.numel())
         assert isinstance(agg, SecureSum)
         agg.rotation_seed = secagg.rotation_seed
@@ -382,28 +379,38 @@ class DPFedAvg(Strategy):
                 values = masked_upload(content, agg.params.padded_dim, agg.params.bits)
             except RejectedUpdate as err:
                 agg.reject(err.reason, f"node {node}", str(err))
+                secagg.fail("collect", node, str(err))
                 continue
             agg.add_masked(node, values)
             diagnostics.uplink.append(record_nbytes(content.array_records[SECAGG]))
+        for node in secagg.shared - set(agg.survivors):
+            secagg.fail("collect", node, "no reply")
+
+        def metrics(aborted: bool) -> dict[str, float]:
+            return {**self._round_metrics(), "cohort_dropped": float(secagg.dropped_before_upload()),
+                    "secagg_aborted": float(aborted), "secagg_integrity_refused": 0.0,
+                    "secagg_survivors": float(len(agg.survivors)),
+                    **secagg.failure_metrics()}
+
+        if not secagg.shared:  # aborted before the model was sent (logged then): no message went out, no reply came
+            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(True)})
         try:
             secagg.check(agg.survivors)
         except SecAggAborted as err:
             log.error("%s: nothing released, nothing accounted", err)
-            return self._record, MetricRecord({**aborted, "secagg_survivors": float(len(agg.survivors))})
+            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(True)})
         self._report_rejections(agg)
         agg.unmask = lambda: secagg.unmask(agg.survivors, agg.params.padded_dim)
         try:
             released = self.mechanism.release(agg, t)
         except SecAggAborted as err:
             log.error("%s: nothing released; the release logged ahead stays accounted", err)
-            return self._record, MetricRecord({**aborted, **self._epsilon_metrics()})
+            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(True)})
         except IntegrityCheckFailed as err:
             log.error("round %d refused: %s; nothing released, the release logged ahead stays accounted", t, err)
-            return self._record, MetricRecord({**aborted, **self._epsilon_metrics(), "secagg_aborted": 0.0,
-                                               "secagg_integrity_refused": 1.0,
-                                               "secagg_survivors": float(len(agg.survivors))})
-        return self._finish(agg, released, diagnostics,
-                            {"secagg_aborted": 0.0, "secagg_survivors": float(len(agg.survivors))})
+            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(False),
+                                               "secagg_integrity_refused": 1.0})
+        return self._finish(agg, released, diagnostics, metrics(False))
 
     def _rotation_seed(self, t: int) -> int:
         """The round's public rotation seed: from the OS, or (a seeded simulation) from the seed and the round."""

@@ -2,8 +2,10 @@
 items 1, 2 and 4): what the server holds, exactness of the unmasked sum, z = 0 against the plaintext round, the
 noise std, dropouts accounted with the survivors' noise, and clean failure below the threshold."""
 
+import argparse
 import logging
 import re
+import os
 
 import numpy as np
 import pytest
@@ -49,7 +51,12 @@ def _strategy(z=0.0, **kwargs) -> DPFedAvg:
                     secure_aggregation=kwargs.pop("settings", SETTINGS), **kwargs)
 
 
-def _client(fail=None) -> ClientApp:
+def _mod(z=0.0, settings=SETTINGS, **kwargs):
+    return secure_aggregation_mod(noise_multiplier=z, clip_norm=C, expected_cohort=N, bits=BITS,
+                                  threshold=settings.threshold, neighbours=settings.neighbours, **kwargs)
+
+
+def _client(fail=None, settings=SETTINGS) -> ClientApp:
     """A stock ClientApp (local SGD, full weights) with the SecAgg+ mod; ``fail(partition, stage)``: raise there."""
     def failing(msg: Message, context: Context, call_next):
         stage = msg.content.config_records[SECAGG]["stage"]
@@ -57,17 +64,15 @@ def _client(fail=None) -> ClientApp:
             raise RuntimeError(f"node dropped at {stage}")
         return call_next(msg, context)
 
-    return _plain_client_app(mods=[failing, secure_aggregation_mod(noise_multiplier=0.0, clip_norm=C, expected_cohort=N,
-                                                                    bits=BITS)])
+    return _plain_client_app(mods=[failing, _mod(settings=settings)])
 
 
 def _noisy_client(z: float, lr_zero=True) -> ClientApp:
-    return _plain_client_app(mods=[secure_aggregation_mod(noise_multiplier=z, clip_norm=C, expected_cohort=N,
-                                                          bits=BITS)])
+    return _plain_client_app(mods=[_mod(z)])
 
 
-def _run(strategy, client_app, rounds=1, lr=0.5):
-    grid = RecordingGrid(client_app, N)
+def _run(strategy, client_app, rounds=1, lr=0.5, nodes=N):
+    grid = RecordingGrid(client_app, nodes)
     app = ServerApp()
     out = {}
 
@@ -147,15 +152,21 @@ def test_the_released_noise_std_matches_the_accounted_skellam_variance():
     assert float(change.std()) * N == pytest.approx(2.0 * C, rel=0.03)  # (z C)^2 on the sum, as planned
 
 
-@pytest.mark.parametrize("stage", ["setup", "share-keys", "collect", "unmask"])
+@pytest.mark.parametrize("stage", secagg.STAGES)
 def test_a_client_dropping_at_any_stage_leaves_a_round_accounted_with_the_survivors_noise(stage, caplog):
     strategy = _strategy(z=1.0)
     result, grid = _run(strategy, _client(lambda partition, at: partition == 2 and at == stage), rounds=2)
     events = [e for e, n in strategy.mechanism.ledger.entries for _ in range(n)]
     params = strategy.mechanism.params()
-    shares = N if stage == "unmask" else N - 1  # a node that uploaded its masked share added its noise
+    uploaded = secagg.STAGES.index(stage) > secagg.STAGES.index("collect")
+    shares = N if uploaded else N - 1  # a node that uploaded its masked share added its noise
     assert len(events) == 2 and all(e.variance == pytest.approx(shares * params.share_variance) for e in events)
-    assert result.train_metrics_clientapp[2]["secagg_survivors"] == shares
+    metrics = result.train_metrics_clientapp[2]
+    assert metrics["secagg_survivors"] == shares and metrics["cohort_dropped"] == N - shares
+    assert metrics[f"secagg_failed_{stage.replace('-', '_')}"] == 1  # and logged, naming the node and its reason
+    assert sum(v for k, v in metrics.items() if k.startswith("secagg_failed_")) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "failed at" in r.getMessage()]
+    assert any(f"failed at {stage}: node " in w and "node dropped at" in w for w in warnings)
     assert not any(r.levelname == "ERROR" for r in caplog.records)
 
 
@@ -171,10 +182,13 @@ def test_below_the_threshold_the_round_fails_cleanly_and_the_run_goes_on(caplog)
         return stage == "collect" and partition in fail[calls["round"]]
 
     with caplog.at_level(logging.ERROR):
-        result, _ = _run(strategy, _client(dropping), rounds=2)
+        result, _ = _run(strategy, _client(dropping, settings=strategy.secure_aggregation), rounds=2)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "aborted" in errors[0] and "nothing accounted" in errors[0]
     assert result.train_metrics_clientapp[1]["secagg_aborted"] == 1.0
+    aborted = result.train_metrics_clientapp[1]  # the true numbers: 6 sampled, 4 uploaded, 2 dropped at collect
+    assert (aborted["cohort_sampled"], aborted["secagg_survivors"], aborted["cohort_dropped"]) == (6, 4, 2)
+    assert aborted["secagg_failed_collect"] == 2 and aborted["secagg_failed_setup"] == 0
     assert result.train_metrics_clientapp[2]["secagg_aborted"] == 0.0
     assert strategy.mechanism.ledger.rounds == 1  # round 1 released and accounted nothing
     assert not torch.equal(_flat(result.arrays), start)
@@ -183,22 +197,11 @@ def test_below_the_threshold_the_round_fails_cleanly_and_the_run_goes_on(caplog)
 def test_an_abort_before_the_model_is_sent_releases_and_accounts_nothing(caplog):
     strategy = _strategy(z=1.0, settings=SecureAggregation(threshold=5, neighbours=5, bits=BITS))
     with caplog.at_level(logging.ERROR):
-        result, grid = _run(strategy, _client(lambda partition, at: partition < 2 and at == "setup"))
+        result, grid = _run(strategy, _client(lambda partition, at: partition < 2 and at == "setup",
+                                              settings=strategy.secure_aggregation))
     assert strategy.mechanism.ledger.rounds == 0
     assert not any("arrays" in m.content for m in grid.sent)  # the model never left the server
     assert torch.equal(_flat(result.arrays), _flat(ArrayRecord(_model().state_dict())))
-
-
-def test_a_client_refuses_unmask_requests_that_would_reveal_both_secrets_of_a_node_or_too_few_survivors():
-    state = {"owners": [2, 3, 4, 5], "threshold": 3, "seed-shares": [b"b2", b"b3", b"b4", b"b5"],
-             "key-shares": [b"c2", b"c3", b"c4", b"c5"]}
-    assert secagg._unmask(state, {"active": [2, 3, 4], "dropped": [5]}) == {
-        "owners": [2, 3, 4, 5], "shares": [b"b2", b"b3", b"b4", b"c5"]}
-    for lists in ({"active": [2, 3, 4], "dropped": [4]},  # node 4 both alive and dropped: its vector would leak
-                  {"active": [2, 3], "dropped": [4, 5]},  # fewer than threshold survivors
-                  {"active": [2, 3, 9], "dropped": []}):  # not a neighbour
-        with pytest.raises(ValueError):
-            secagg._unmask(state, lists)
 
 
 def test_secure_aggregation_refuses_the_settings_it_cannot_account():
@@ -210,9 +213,17 @@ def test_secure_aggregation_refuses_the_settings_it_cannot_account():
     with pytest.raises(ValueError, match="record_level"):
         DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=5, population=10, placement="distributed",
                  record_level=True, secure_aggregation=SETTINGS)
-    for threshold, neighbours in ((1, 5), (6, 5), (3, 4)):
+    for threshold, neighbours in ((1, 5), (6, 5), (3, 4), (2, 5), (3, 6)):
         with pytest.raises(ValueError, match="threshold|neighbours"):
             SecureAggregation(threshold=threshold, neighbours=neighbours)
+        with pytest.raises(ValueError, match="threshold|neighbours"):
+            _mod(settings=argparse.Namespace(threshold=threshold, neighbours=neighbours))
+    with pytest.raises(ValueError, match="2 \\* threshold > neighbours"):
+        SecureAggregation(threshold=3, neighbours=7)
+    with pytest.raises(ValueError, match="identity_key"):
+        _mod(identity_key=b"not a key")
+    with pytest.raises(ValueError, match="roster"):
+        _mod(roster=[b"not a key"])
 
 
 def test_a_crash_after_a_logged_release_with_a_dropout_resumes_with_that_release_accounted(tmp_path):
@@ -254,8 +265,7 @@ def _tampering_client(z: float, tamper) -> ClientApp:
             reply.content = RecordDict({SECAGG: ArrayRecord({"masked": Array(pack_bits(values & (2 ** BITS - 1), BITS))})})
         return reply
 
-    return _plain_client_app(mods=[mod, secure_aggregation_mod(noise_multiplier=z, clip_norm=C, expected_cohort=N,
-                                                               bits=BITS)])
+    return _plain_client_app(mods=[mod, _mod(z)])
 
 
 def _wrap(coordinates):
@@ -303,7 +313,7 @@ def test_a_single_coordinate_wrap_by_a_malicious_client_passes_the_check_within_
     assert int(np.count_nonzero(change)) == 1 and 3.9 * C < moved < 4.1 * C
     assert moved < params.undetected_norm(N) / 10
     metrics = result.train_metrics_clientapp[1]
-    assert metrics["secagg_aborted"] == 0.0 and "secagg_integrity_refused" not in metrics  # released
+    assert metrics["secagg_aborted"] == 0.0 and metrics["secagg_integrity_refused"] == 0.0  # released
     assert strategy.mechanism.ledger.rounds == 1
     assert not any(r.levelname == "ERROR" for r in caplog.records)
 
@@ -330,3 +340,180 @@ def test_a_wrap_beyond_the_slack_is_refused_logged_counted_and_stays_accounted(s
     (event, times), = strategy.mechanism.ledger.entries
     assert times == 1 and event.variance == pytest.approx(N * params.share_variance)
     assert [e["event"] for e in ReleaseLog(tmp_path).entries] == [event]  # durable too
+
+
+# -- a server that departs from the protocol in the messages it sends (10 clients, t = 4 of k = 5) ---------------
+M, HONEST = 10, SecureAggregation(threshold=4, neighbours=5, bits=BITS)
+
+
+def _malicious(monkeypatch, server_round, client_app=None):
+    """One round of the strategy with ``server_round`` (a ``SecAggRound`` whose messages lie) against the real
+    SecAgg+ mod on ``M`` honest clients configured with ``HONEST``."""
+    monkeypatch.setattr("fedprivacy.fl.strategy.SecAggRound", server_round)
+    strategy = DPFedAvg(noise_multiplier=0.0, clip_norm=C, expected_cohort=M, population=M, placement="distributed",
+                        secure_aggregation=HONEST)
+    mod = secure_aggregation_mod(noise_multiplier=0.0, clip_norm=C, expected_cohort=M, bits=BITS,
+                                 threshold=HONEST.threshold, neighbours=HONEST.neighbours)
+    result, grid = _run(strategy, client_app or _plain_client_app(mods=[mod]), nodes=M)
+    return strategy, result, grid
+
+
+def _replies(grid: RecordingGrid, stage: str) -> tuple[dict[int, str], dict[int, ConfigRecord]]:
+    """The nodes' error reasons and their records, at ``stage``."""
+    errors, ok = {}, {}
+    for reply in _stage(grid, stage):
+        if reply.has_error():
+            errors[reply.metadata.src_node_id] = reply.error.reason
+        else:
+            ok[reply.metadata.src_node_id] = reply.content.config_records[SECAGG]
+    return errors, ok
+
+
+def _revealed(grid: RecordingGrid, node: int) -> tuple[int, int]:
+    """How many shares of ``node``'s self-mask seed and of its mask key the server received."""
+    _, ok = _replies(grid, "unmask")
+    return (sum(list(r.get("seed-owners", [])).count(node) for r in ok.values()),
+            sum(list(r.get("key-owners", [])).count(node) for r in ok.values()))
+
+
+class _TwoFaced(secagg.SecAggRound):
+    """Tells two of the target X's neighbours (X = the smallest node that shared its keys) that X dropped."""
+
+    def liars(self):
+        x = min(self.shared)
+        return x, sorted(set(self.neighbours[x]) - {x})[:2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie", ["announced", "sent"])
+def test_clients_refuse_a_neighbourhood_larger_than_their_own_k(monkeypatch, lie):
+    monkeypatch.setattr(secagg, "_ring", lambda nodes, k, rng: {n: sorted(nodes) for n in nodes})  # whole cohort
+
+    class WholeCohort(secagg.SecAggRound):
+        def setup_content(self, node):  # "sent": announces the honest k, then sends every node's keys
+            return ConfigRecord({"threshold": 4, "neighbours": M if lie == "announced" else 5})
+
+    strategy, _, grid = _malicious(monkeypatch, WholeCohort)
+    errors, _ = _replies(grid, "setup" if lie == "announced" else "share-keys")
+    assert len(errors) == M and all("neighbours=5" in reason for reason in errors.values())
+    assert strategy.mechanism.ledger.rounds == 0 and not any("arrays" in m.content for m in grid.sent)
+
+
+@pytest.mark.slow
+def test_clients_refuse_a_threshold_other_than_their_own(monkeypatch):
+    class LowThreshold(secagg.SecAggRound):
+        def setup_content(self, node):
+            return ConfigRecord({"threshold": 2, "neighbours": 5})
+
+    strategy, _, grid = _malicious(monkeypatch, LowThreshold)
+    errors, _ = _replies(grid, "setup")
+    assert len(errors) == M and all("threshold=2" in reason for reason in errors.values())
+    assert strategy.mechanism.ledger.rounds == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie", ["unmask lists", "survivor sets"])
+def test_two_faced_dropout_lists_are_refused_and_never_unmask_both_secrets_of_a_node(monkeypatch, caplog, lie):
+    """To two of X's neighbours the server says X dropped: in the unmask lists only (they contradict the survivor
+    set the neighbours signed), or in the survivor set itself (then fewer than t neighbours signed that set)."""
+    seen = {}
+
+    class Liar(_TwoFaced):
+        def consistency_content(self, node, survivors):
+            x, liars = seen["x"], seen["liars"] = self.liars()
+            return super().consistency_content(node, [n for n in survivors if n != x or
+                                                      node not in liars or lie != "survivor sets"])
+
+        def unmask_content(self, node, survivors, signers):
+            x, liars = self.liars()
+            if node in liars:
+                survivors = [n for n in survivors if n != x]
+            return super().unmask_content(node, survivors, signers)
+
+    strategy, result, grid = _malicious(monkeypatch, Liar)
+    errors, _ = _replies(grid, "unmask")
+    reason = "not the signed survivor set" if lie == "unmask lists" else "signed the survivor set this node signed"
+    assert set(seen["liars"]) <= set(errors) and all(reason in r for r in errors.values())
+    if lie == "unmask lists":
+        assert set(errors) == set(seen["liars"])
+    # (with the survivor sets, a neighbour of both liars, X itself among them, sees only t - 1 signatures too)
+    seeds, keys = _revealed(grid, seen["x"])
+    assert keys == 0 and seeds < HONEST.threshold  # neither secret of X is rebuilt
+    assert result.train_metrics_clientapp[1]["secagg_aborted"] == 1.0
+    assert result.train_metrics_clientapp[1]["secagg_failed_unmask"] == len(errors)
+    assert any("failed at unmask" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forgery", ["forged", "missing", "swapped"])
+def test_unmask_without_threshold_valid_consistency_signatures_is_refused(monkeypatch, forgery):
+    class Forger(secagg.SecAggRound):
+        def unmask_content(self, node, survivors, signers):
+            record = super().unmask_content(node, survivors, signers)
+            if node == min(self.shared):
+                signatures = list(record["signatures"])
+                record["signatures"] = {"forged": [os.urandom(len(s)) for s in signatures],
+                                        "swapped": signatures[1::-1] + signatures[2:]}.get(forgery, [])
+                if forgery == "missing":
+                    del record["signatures"], record["signers"]
+            return record
+
+    strategy, _, grid = _malicious(monkeypatch, Forger)
+    errors, ok = _replies(grid, "unmask")
+    victim = min(int(r.metadata.src_node_id) for r in _stage(grid, "unmask"))
+    assert set(errors) == {victim} and "signed the survivor set" in errors[victim] and victim not in ok
+
+
+@pytest.mark.slow
+def test_a_client_told_that_it_dropped_refuses_to_sign_or_reveal_its_own_key(monkeypatch):
+    class Erase(secagg.SecAggRound):
+        def consistency_content(self, node, survivors):  # every survivor is told X = min(survivors) dropped
+            return super().consistency_content(node, survivors[1:])
+
+    _, _, grid = _malicious(monkeypatch, Erase)
+    errors, _ = _replies(grid, "consistency")
+    x = min(r.metadata.src_node_id for r in _stage(grid, "consistency"))
+    assert set(errors) == {x} and "leaves out this node itself" in errors[x]
+    _, ok = _replies(grid, "unmask")
+    assert x not in ok and all(x not in r.get("seed-owners", []) for r in ok.values())  # its b stays hidden
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outsider", [False, True])
+def test_a_neighbour_whose_identity_key_is_not_in_the_roster_is_refused(monkeypatch, outsider):
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, private_key_to_bytes, public_key_to_bytes
+
+    keys = [generate_key_pairs() for _ in range(M)]
+    roster = [public_key_to_bytes(pk) for _, pk in keys[:-1]] + [
+        public_key_to_bytes(generate_key_pairs()[1] if outsider else keys[-1][1])]  # partition M-1 is not listed
+    settings = {p: secagg.ClientSettings(0.0, C, M, BITS, HONEST.threshold, HONEST.neighbours, roster=frozenset(roster),
+                                         identity_key=private_key_to_bytes(sk)) for p, (sk, _) in enumerate(keys)}
+
+    def rostered(msg, context, call_next):
+        return secagg.handle(msg, context, settings[int(context.node_config["partition-id"])], call_next)
+
+    strategy, _, grid = _malicious(monkeypatch, secagg.SecAggRound, _plain_client_app(mods=[rostered]))
+    errors, _ = _replies(grid, "share-keys")
+    if not outsider:
+        assert not errors and strategy.mechanism.ledger.rounds == 1
+        return
+    assert len(errors) == HONEST.neighbours and all("not in this node's roster" in r for r in errors.values())
+    assert strategy.mechanism.ledger.rounds == 0
+
+
+@pytest.mark.slow
+def test_a_public_key_not_signed_by_its_nodes_identity_key_is_refused(monkeypatch):
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+
+    class Substitute(secagg.SecAggRound):
+        def keys_content(self, node, alive):  # the server's own mask key in place of X's, X's signature kept
+            record = super().keys_content(node, alive)
+            x = str(min(alive))
+            if x in record and node != min(alive):
+                record[x] = [public_key_to_bytes(generate_key_pairs()[1]), *list(record[x])[1:]]
+            return record
+
+    strategy, _, grid = _malicious(monkeypatch, Substitute)
+    errors, _ = _replies(grid, "share-keys")
+    assert errors and all("not signed by its identity key" in r for r in errors.values())
+    assert strategy.mechanism.ledger.rounds == 0

@@ -1,8 +1,10 @@
 """What the SecAgg+ server parses from clients, crafted like an attacker would (issue "Secure aggregation"; the
 project's rule for anything that parses a client's reply): a masked upload of any dtype, byte order, shape or lying
 metadata is either exactly the expected number of b-bit values, packed (``fedprivacy.fl.bit_packing``), or
-rejected with a reason; setup and share-keys replies of any content only ever drop their sender from the round (or
-abort it below the threshold)."""
+rejected with a reason; setup, share-keys and consistency replies of any content only ever drop their sender from the
+round (or abort it below the threshold). And what a client parses from a lying server: a crafted consistency or
+unmask message only makes the client refuse (ValueError: an error reply), or it reveals exactly what the protocol
+reveals under the survivor set it signed (Hardening III)."""
 
 from uuid import uuid4
 
@@ -15,7 +17,12 @@ from hypothesis import strategies as st
 
 from fedprivacy.fl.bit_packing import pack_bits, packed_size, padding_is_zero, unpack_bits
 from fedprivacy.fl.records import arrays_to_record
-from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
+from flwr.supercore.primitives.asymmetric import (generate_key_pairs, public_key_to_bytes, sign_message,
+                                                  verify_signature)
+
+from fedprivacy.fl import secure_aggregation as secagg
+from fedprivacy.fl.secure_aggregation import (SECAGG, SecAggAborted, SecAggRound, SecureAggregation, keys_transcript,
+                                              masked_upload, survivors_transcript)
 from fedprivacy.updates import RejectedUpdate
 
 SIZE = 13  # 13 b-bit values leave unused bits in the last byte for odd b
@@ -125,9 +132,15 @@ class ScriptedGrid:
 
 
 def _honest_keys():
-    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+    return [public_key_to_bytes(generate_key_pairs()[1]) for _ in range(2)], generate_key_pairs()[0]
 
-    return [public_key_to_bytes(generate_key_pairs()[1]) for _ in range(2)]
+
+def _setup_reply(keys, identity, msg):
+    """An honest ``setup`` reply: the two public keys, the identity key and its signature over them."""
+    transcript = keys_transcript(msg.metadata.run_id, msg.content.config_records[SECAGG]["round"],
+                                 msg.metadata.dst_node_id, *keys)
+    return {"pk1": keys[0], "pk2": keys[1], "identity": public_key_to_bytes(identity.public_key()),
+            "signature": sign_message(identity, transcript)}
 
 
 VALUES = st.one_of(st.integers(-2**63, 2**63 - 1), st.binary(max_size=120), st.text(max_size=10),
@@ -136,7 +149,8 @@ VALUES = st.one_of(st.integers(-2**63, 2**63 - 1), st.binary(max_size=120), st.t
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(liars=st.sets(st.integers(2, 7), max_size=6),
-       crafted=st.dictionaries(st.sampled_from(["pk1", "pk2", "destinations", "ciphertexts", "x"]), VALUES, max_size=4))
+       crafted=st.dictionaries(st.sampled_from(["pk1", "pk2", "identity", "signature", "destinations", "ciphertexts",
+                                                "x"]), VALUES, max_size=6))
 def test_crafted_setup_and_share_keys_replies_only_drop_their_senders(liars, crafted):
     nodes = list(range(2, 8))
     keys = {n: _honest_keys() for n in nodes}
@@ -145,7 +159,7 @@ def test_crafted_setup_and_share_keys_replies_only_drop_their_senders(liars, cra
         if node in liars:
             return crafted
         if stage == "setup":
-            return {"pk1": keys[node][0], "pk2": keys[node][1]}
+            return _setup_reply(*keys[node], msg)
         return {"destinations": [], "ciphertexts": []}
 
     rnd = SecAggRound(ScriptedGrid(answer), SecureAggregation(threshold=3, neighbours=5), 1, 7, nodes)
@@ -155,7 +169,7 @@ def test_crafted_setup_and_share_keys_replies_only_drop_their_senders(liars, cra
         return
     assert set(receivers) <= set(nodes) and len(receivers) >= 3
     for node in receivers:
-        assert rnd.public_keys[node] == tuple(keys[node]) or node in liars
+        assert rnd.public_keys[node] == tuple(keys[node][0]) or node in liars
         content = rnd.collect_content(node)
         assert all(src in receivers for src in content.get("sources", []))
 
@@ -165,7 +179,7 @@ def test_a_reply_from_a_node_outside_the_round_is_ignored():
     keys = {n: _honest_keys() for n in nodes}
 
     def answer(stage, node, msg):
-        return {"pk1": keys[node][0], "pk2": keys[node][1]} if stage == "setup" else {}
+        return _setup_reply(*keys[node], msg) if stage == "setup" else {}
 
     class Impostor(ScriptedGrid):
         def send_and_receive(self, messages, *, timeout=None):
@@ -175,3 +189,112 @@ def test_a_reply_from_a_node_outside_the_round_is_ignored():
 
     with pytest.raises(SecAggAborted):
         SecAggRound(Impostor(answer), SecureAggregation(threshold=2, neighbours=3), 1, 7, nodes).prepare()
+
+
+RUN, ROUND, NID, PEERS, T = 1, 1, 2, [2, 3, 4, 5, 6], 3  # this node (2) and its neighbours (k = 5, t = 3)
+IDENTITIES = {j: generate_key_pairs()[0] for j in PEERS}
+PK1 = {j: public_key_to_bytes(generate_key_pairs()[1]) for j in PEERS}
+SURVIVORS = [2, 3, 4, 5, 9]  # node 6 dropped; node 9 is not a neighbour
+SIGNED = {j: sign_message(IDENTITIES[j], survivors_transcript(RUN, ROUND, PK1[j], SURVIVORS)) for j in SURVIVORS if j in PK1}
+HONEST_REVEAL = {"seed-owners": [2, 3, 4, 5], "seed-shares": [b"b2", b"b3", b"b4", b"b5"], "key-owners": [6],
+                 "key-shares": [b"c6"]}
+
+
+def _node_state(**changes):
+    """Node 2's state after collect (its neighbours 3-6 shared keys with it), and after it signed SURVIVORS."""
+    state = {"round": ROUND, "nid": NID, "threshold": T, "pk1": PK1[NID], "peers": PEERS,
+             "peer-pk1": [PK1[j] for j in PEERS],
+             "peer-identity": [public_key_to_bytes(IDENTITIES[j].public_key()) for j in PEERS], "owners": PEERS,
+             "seed-shares": [b"b%d" % j for j in PEERS], "key-shares": [b"c%d" % j for j in PEERS],
+             "survivors": SURVIVORS}
+    return {**state, **changes}
+
+
+def _honest_unmask():
+    return {"active": [2, 3, 4, 5], "dropped": [6], "signers": sorted(SIGNED), "signatures": [SIGNED[j] for j in sorted(SIGNED)]}
+
+
+def test_a_client_reveals_for_its_signed_survivor_set_only_with_threshold_signatures_on_it():
+    assert secagg._unmask(_node_state(), _honest_unmask(), RUN) == HONEST_REVEAL
+    for lie, match in [({"active": [2, 3, 4, 5, 6], "dropped": []}, "not the signed survivor set"),  # 6 survived?
+                       ({"active": [2, 3, 4], "dropped": [5, 6]}, "not the signed survivor set"),  # 5 dropped?
+                       ({"active": [3, 4, 5], "dropped": [2, 6]}, "not the signed survivor set"),  # itself dropped
+                       ({"active": [2, 3, 4, 5], "dropped": [5, 6]}, "not the signed survivor set"),  # both secrets of 5
+                       ({"signers": [3, 4], "signatures": [SIGNED[3], SIGNED[4]]}, "2 neighbours signed"),
+                       ({"signers": [2, 2, 3], "signatures": [SIGNED[2]] * 2 + [SIGNED[3]]}, "2 neighbours signed"),
+                       ({"signers": [2, 3, 4], "signatures": [SIGNED[3], SIGNED[2], SIGNED[4]]}, "1 neighbours signed")]:
+        with pytest.raises(ValueError, match=match):
+            secagg._unmask(_node_state(), {**_honest_unmask(), **lie}, RUN)
+    other = [2, 3, 4, 5, 6]  # the neighbours' signatures over another survivor set
+    signatures = [sign_message(IDENTITIES[j], survivors_transcript(RUN, ROUND, PK1[j], other)) for j in other]
+    with pytest.raises(ValueError, match="0 neighbours signed"):
+        secagg._unmask(_node_state(), {**_honest_unmask(), "signers": other, "signatures": signatures}, RUN)
+
+
+def test_a_client_signs_a_survivor_set_only_with_itself_and_threshold_neighbours_in_it():
+    identity = IDENTITIES[NID]
+    state = _node_state(survivors=None)
+    out = secagg._consistency(state, {"survivors": SURVIVORS}, RUN, identity)
+    assert state["survivors"] == SURVIVORS and out["signature"]
+    for lie, match in [([3, 4, 5, 6], "itself"), ([2, 3, 9], "fewer than threshold"), ([2, 2, 3, 4], "distinct"),
+                       ([2, 3, 7, 9], "fewer than threshold"), ("2,3,4", "distinct")]:
+        with pytest.raises(ValueError, match=match):
+            secagg._consistency(_node_state(survivors=None), {"survivors": lie}, RUN, identity)
+
+
+UNMASK_VALUES = st.one_of(VALUES, st.lists(st.sampled_from([2, 3, 4, 5, 6, 9, -1]), max_size=6),
+                          st.lists(st.sampled_from(sorted(SIGNED.values())), max_size=5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(crafted=st.dictionaries(st.sampled_from(["active", "dropped", "signers", "signatures", "x"]), UNMASK_VALUES,
+                               max_size=4))
+def test_a_crafted_unmask_message_is_refused_or_reveals_exactly_the_signed_sets_shares(crafted):
+    try:
+        out = secagg._unmask(_node_state(), {**_honest_unmask(), **crafted}, RUN)
+    except ValueError:
+        return
+    assert out == HONEST_REVEAL  # never another share, never both of one node
+
+
+@settings(max_examples=200, deadline=None)
+@given(survivors=st.one_of(VALUES, st.lists(st.sampled_from([2, 3, 4, 5, 6, 9, True]), max_size=7)))
+def test_a_crafted_consistency_message_is_refused_or_signs_a_set_with_the_node_and_threshold_neighbours(survivors):
+    state = _node_state(survivors=None)
+    try:
+        out = secagg._consistency(state, {"survivors": survivors}, RUN, IDENTITIES[NID])
+    except ValueError:
+        return
+    assert NID in survivors and len(set(survivors) & set(PEERS)) >= T and state["survivors"] == sorted(survivors)
+    assert verify_signature(IDENTITIES[NID].public_key(), survivors_transcript(RUN, ROUND, PK1[NID], survivors),
+                            out["signature"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(liars=st.sets(st.integers(2, 7), max_size=6), crafted=st.dictionaries(
+    st.sampled_from(["signature", "seed-owners", "seed-shares", "key-owners", "key-shares"]), VALUES, max_size=4))
+def test_crafted_consistency_and_unmask_replies_only_drop_their_senders_or_abort(liars, crafted):
+    nodes = list(range(2, 8))
+    keys = {n: _honest_keys() for n in nodes}
+
+    def answer(stage, node, msg):
+        if stage == "setup":
+            return _setup_reply(*keys[node], msg)
+        if stage == "share-keys":
+            return {"destinations": [], "ciphertexts": []}
+        if node in liars:
+            return crafted
+        if stage == "consistency":
+            survivors = msg.content.config_records[SECAGG]["survivors"]
+            return {"signature": sign_message(keys[node][1], survivors_transcript(
+                msg.metadata.run_id, 1, keys[node][0][0], survivors))}
+        return {}
+
+    rnd = SecAggRound(ScriptedGrid(answer), SecureAggregation(threshold=3, neighbours=5), 1, 7, nodes)
+    rnd.prepare()
+    try:
+        masks = rnd.unmask(nodes, SIZE)
+    except SecAggAborted:
+        return
+    assert masks.dtype == np.uint32 and masks.shape == (SIZE,)  # liars' shares can only corrupt the sum, never crash
+    assert set(rnd.signatures) == set(nodes) - liars  # a crafted signature never verifies

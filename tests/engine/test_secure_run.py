@@ -50,6 +50,7 @@ def test_a_secure_run_accounts_skellam_rounds_as_fedprivacy_epsilon_does(small_c
     ("privacy.budget_accountant=pld", "privacy.budget_accountant"),
     ("privacy.secure_aggregation.threshold=7", "threshold"),
     ("privacy.secure_aggregation.neighbours=4", "neighbours"),
+    ("privacy.secure_aggregation.threshold=2", "privacy.secure_aggregation.threshold"),  # 2 t > k needed
     ("privacy.secure_aggregation.bits=40", "bits"),
     ("client.compression.density=0.1", "client.compression"),
     ("processes=2", "processes"),

@@ -94,7 +94,8 @@ _APP = textwrap.dedent('''
         print(json.dumps({"round": strategy.round, "releases": strategy.mechanism.ledger.rounds,
                           "epsilon": strategy.epsilons()["rdp"]}))
 
-    mods = [secure_aggregation_mod(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, bits=20)]
+    mods = [secure_aggregation_mod(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, bits=20, threshold=2,
+                                   neighbours=3)]
     for line in sys.stdin:  # one line, one server process: forked once the imports are done, before anything ran
         ARGS[:] = line.split()
         pid = os.fork()

@@ -18,7 +18,8 @@ def noise_on_device(msg: Message, context: Context, call_next):
         return call_next(msg, context)
     if cfg["secure-aggregation"]:
         mod = secure_aggregation_mod(noise_multiplier=cfg["noise-multiplier"], clip_norm=cfg["clip-norm"],
-                                     expected_cohort=cfg["expected-cohort"], bits=cfg["secagg-bits"])
+                                     expected_cohort=cfg["expected-cohort"], bits=cfg["secagg-bits"],
+                                     threshold=cfg["secagg-threshold"], neighbours=cfg["secagg-neighbours"])
     else:
         mod = client_noise_mod(placement=cfg["noise-placement"], noise_multiplier=cfg["noise-multiplier"],
                                clip_norm=cfg["clip-norm"], expected_cohort=cfg["expected-cohort"])
