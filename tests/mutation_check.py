@@ -83,6 +83,9 @@ MUTATIONS = [
  ("fedprivacy/fl/secure_aggregation.py", "        if settings.roster is not None and canonical not in settings.roster:", "        if False:", "tests/engine/test_secure_aggregation.py -k roster"),
  ("fedprivacy/fl/secure_aggregation.py", "        if not verify_signature(key, keys_transcript(run, state[\"round\"], j, pk1, pk2), signature):", "        if False:", "tests/engine/test_secure_aggregation.py -k not_signed_by"),
  ("fedprivacy/fl/secure_aggregation.py", "    return {\"seed-owners\": active, \"seed-shares\": [seeds[n] for n in active],", "    return {\"seed-owners\": active + dropped, \"seed-shares\": [seeds[n] for n in active + dropped],", "tests/engine/test_secure_aggregation_inputs.py -k crafted_unmask_message"),
+ # hardening III: a deployed client takes SecAgg+'s threshold and neighbourhood from its own node config
+ ("fedprivacy/fl/client_app.py", "                                          node.threshold, node.neighbours, roster=node.roster,", "                                          secagg.threshold, secagg.neighbours, roster=node.roster,", "tests/engine/test_noise_floor.py -k own_threshold"),
+ ("fedprivacy/deploy/local.py", "            items.update({IDENTITY_KEY: str(self.keys[index].private_key), ROSTER_KEY: str(self.roster)})", "            pass", "tests/deploy/test_deploy_units.py -k noise_floor"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)

@@ -370,6 +370,7 @@ class LocalDeployment:
         self._start_superlink()
         if self.secure:
             self.keys = [generate_node_keys(self.workdir / "keys", f"supernode-{i}") for i in range(self.num_supernodes)]
+            self._write_roster()
             self.node_ids = [self._register(i) for i in range(self.num_supernodes)]
         self.supernodes = [self._supernode_process(i) for i in range(self.num_supernodes)]
         for p in self.supernodes:
@@ -426,10 +427,22 @@ class LocalDeployment:
                 raise DeploymentError(f"registering SuperNode {index} failed: {res.stdout}{res.stderr}")
             time.sleep(0.5)  # the SuperLink's HTTP app may still be starting
 
+    @property
+    def roster(self) -> Path:
+        """The SuperNodes' public keys, one OpenSSH line each (secure mode): each node's SecAgg+ roster."""
+        return self.workdir / "keys" / "roster.pub"
+
+    def _write_roster(self) -> None:
+        self.roster.write_bytes(b"".join(k.public_key.read_bytes().rstrip(b"\n") + b"\n" for k in self.keys))
+
     def _node_config(self, index: int) -> str:
+        from fedprivacy.fl.noise_floor import IDENTITY_KEY, ROSTER_KEY, THRESHOLD_KEY
+
         items = {"partition-id": index, "num-partitions": self.num_supernodes,
                  resources.RESOURCE_LOG_KEY: str(self.resource_dir / f"supernode-{index}.jsonl"),
                  **self.extra_node_config}
+        if self.secure and THRESHOLD_KEY in items:  # SecAgg+ identities: the keys Flower authenticates nodes by
+            items.update({IDENTITY_KEY: str(self.keys[index].private_key), ROSTER_KEY: str(self.roster)})
         return " ".join(f"{k}={_toml_str(v) if isinstance(v, str) else json.dumps(v)}" for k, v in items.items())
 
     def _supernode_process(self, index: int) -> ManagedProcess:

@@ -50,7 +50,7 @@ from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
 from fedprivacy.fl.mods import RESIDUAL_KEY, compressed_upload, noised_upload
-from fedprivacy.fl.noise_floor import NoiseFloor, enforce
+from fedprivacy.fl.noise_floor import NoiseFloor, SecAggNode, enforce
 from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg
 from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
 from fedprivacy.fl.run_config import config_from_context
@@ -147,8 +147,14 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         if secagg is not None and is_secagg(msg):  # SecAgg+: the protocol's stages, training in its collect stage
             p, secret = c.privacy, c.privacy.secure_noise or cfg is None
             assert p.noise_multiplier != "auto", "the server sends the calibrated config"
-            settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits, secagg.threshold,
-                                      secagg.neighbours, seed=None if secret else c.seed)
+            if cfg is None:  # a deployed client: t, k, its identity key and roster from its own node config
+                node = SecAggNode.from_node_config(context.node_config)
+                settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits,
+                                          node.threshold, node.neighbours, roster=node.roster,
+                                          identity_key=node.identity_key)
+            else:
+                settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits,
+                                          secagg.threshold, secagg.neighbours, seed=None if secret else c.seed)
             return handle(msg, context, settings, train_plain)
         return train_plain(msg, context)
 

@@ -37,6 +37,13 @@ The clip norm C is not compared: neither share's privacy depends on it (a smalle
 noise alike; :math:`Cs` does not depend on C), and the client clips at the very C its noise is sized for.
 What the floor does not bound: the Skellam share's bound also grows with the model's dimension D (the
 rounding), which the run's task sets; the record-level noise of ``client.sample_dp``.
+
+Secure aggregation's own parameters (:class:`SecAggNode`) come from the node config too, never from the server:
+``secagg-threshold`` and ``secagg-neighbours`` (the t and k the client holds every SecAgg+ message against,
+:class:`~fedprivacy.fl.secure_aggregation.ClientSettings`), and optionally ``secagg-identity-key`` (a file holding
+the node's EC private key, PEM or OpenSSH: a SuperNode's ``--auth-supernode-private-key`` serves) and
+``secagg-roster`` (a file of trusted identity public keys, one OpenSSH line each, as ``flwr supernode register``
+reads them): with a roster the server can neither invent clients nor substitute a client's keys.
 """
 
 from __future__ import annotations
@@ -44,9 +51,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.supercore.primitives.asymmetric import private_key_to_bytes, public_key_to_bytes
+
 from fedprivacy.config import PrivacyConfig
+from fedprivacy.fl.secure_aggregation import check_parameters
 from fedprivacy.privacy.skellam import MAX_BITS, MIN_BITS
 
 NOISE_MULTIPLIER_KEY = "noise-multiplier-floor"
@@ -54,6 +68,10 @@ EXPECTED_COHORT_KEY = "expected-cohort-ceiling"
 BITS_KEY = "bits-floor"
 NODE_KEYS = (NOISE_MULTIPLIER_KEY, EXPECTED_COHORT_KEY, BITS_KEY)
 """The node config keys of the floor (module docstring)."""
+THRESHOLD_KEY = "secagg-threshold"
+NEIGHBOURS_KEY = "secagg-neighbours"
+IDENTITY_KEY = "secagg-identity-key"
+ROSTER_KEY = "secagg-roster"
 
 
 class NoiseFloorError(ValueError):
@@ -103,9 +121,89 @@ class NoiseFloor:
                    _number(node_config, BITS_KEY, integer=True))
 
 
+def _file(node_config: Mapping[str, Any], key: str) -> tuple[Path, bytes] | None:
+    """The path ``node_config[key]`` names and the file's bytes; None when the key is absent."""
+    raw = node_config.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw:
+        raise NoiseFloorError(f"node config {key} must name a file, got {raw!r}")
+    try:
+        return Path(raw), Path(raw).read_bytes()
+    except OSError as err:
+        raise NoiseFloorError(f"node config {key}: cannot read {raw} ({err.strerror or err})") from None
+
+
+def _identity_key(node_config: Mapping[str, Any]) -> bytes | None:
+    """The node's identity signing key from the file ``secagg-identity-key`` names (PEM or OpenSSH EC), as PEM."""
+    found = _file(node_config, IDENTITY_KEY)
+    if found is None:
+        return None
+    path, data = found
+    for load in (serialization.load_ssh_private_key, serialization.load_pem_private_key):
+        try:
+            key = load(data, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            continue
+        if isinstance(key, ec.EllipticCurvePrivateKey):
+            return private_key_to_bytes(key)
+    raise NoiseFloorError(f"node config {IDENTITY_KEY}: {path} holds no unencrypted EC private key (PEM or OpenSSH)")
+
+
+def _roster(node_config: Mapping[str, Any]) -> frozenset[bytes] | None:
+    """The trusted identity public keys (PEM) from the file ``secagg-roster`` names: one OpenSSH public key per
+    line (blank lines and ``#`` comments skipped)."""
+    found = _file(node_config, ROSTER_KEY)
+    if found is None:
+        return None
+    path, data = found
+    keys = set()
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            key = serialization.load_ssh_public_key(line.strip().encode())
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            key = None
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise NoiseFloorError(f"node config {ROSTER_KEY}: {path} line {number} is not an OpenSSH EC public key")
+        keys.add(public_key_to_bytes(key))
+    if not keys:
+        raise NoiseFloorError(f"node config {ROSTER_KEY}: {path} lists no key")
+    return frozenset(keys)
+
+
+@dataclass(frozen=True)
+class SecAggNode:
+    """A deployed client's own SecAgg+ parameters from its node config (module docstring): what it holds the
+    server's messages against, never what the server's run config says."""
+
+    threshold: int
+    neighbours: int
+    identity_key: bytes | None = None
+    roster: frozenset[bytes] | None = None
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> SecAggNode:
+        """Read ``secagg-threshold`` and ``secagg-neighbours`` (required: a client without them refuses to run the
+        protocol), ``secagg-identity-key`` and ``secagg-roster`` (optional files); one line naming the key."""
+        threshold = _number(node_config, THRESHOLD_KEY, integer=True)
+        neighbours = _number(node_config, NEIGHBOURS_KEY, integer=True)
+        if threshold is None or neighbours is None:
+            raise NoiseFloorError(f"a deployed client runs secure aggregation only with its own parameters: set "
+                                  f"{THRESHOLD_KEY} and {NEIGHBOURS_KEY} in its node config (flower-supernode "
+                                  "--node-config)")
+        try:
+            check_parameters(threshold, neighbours, f"node config {THRESHOLD_KEY}/{NEIGHBOURS_KEY}")
+        except ValueError as err:
+            raise NoiseFloorError(str(err)) from None
+        return cls(threshold, neighbours, _identity_key(node_config), _roster(node_config))
+
+
 def floor_node_config(privacy: PrivacyConfig) -> dict[str, Any]:
-    """The node config keys that set the floor to exactly ``privacy``'s settings (none under central placement):
-    what a deployment that trusts its own run config gives each SuperNode."""
+    """The node config keys that set the floor to exactly ``privacy``'s settings (none under central placement),
+    and secure aggregation's threshold and neighbours: what a deployment that trusts its own run config gives each
+    SuperNode (its identity key and roster files are per node: :mod:`fedprivacy.deploy.local` adds them)."""
     if privacy.placement == "central":  # (secure aggregation needs distributed placement)
         return {}
     if privacy.noise_multiplier == "auto":
@@ -115,7 +213,8 @@ def floor_node_config(privacy: PrivacyConfig) -> dict[str, Any]:
     if privacy.placement == "distributed":
         out[EXPECTED_COHORT_KEY] = privacy.expected_cohort
     if privacy.secure_aggregation is not None:
-        out[BITS_KEY] = privacy.secure_aggregation.bits
+        sa = privacy.secure_aggregation
+        out.update({BITS_KEY: sa.bits, THRESHOLD_KEY: sa.threshold, NEIGHBOURS_KEY: sa.neighbours})
     return out
 
 

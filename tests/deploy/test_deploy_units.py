@@ -117,7 +117,8 @@ def test_the_client_app_imports_no_server_side_or_record_level_dp_modules():
     ((), False, ""),
     (("privacy.placement=local",), False, "noise-multiplier-floor=0.5"),
     (("privacy.placement=distributed",), False, "noise-multiplier-floor=0.5 expected-cohort-ceiling=8"),
-    ((), True, "noise-multiplier-floor=0.5 expected-cohort-ceiling=8 bits-floor=20"),
+    ((), True, "noise-multiplier-floor=0.5 expected-cohort-ceiling=8 bits-floor=20 secagg-threshold=5 "
+               "secagg-neighbours=7"),
 ], ids=["central", "local", "distributed", "secure-aggregation"])
 def test_deploy_local_gives_each_supernode_the_runs_noise_floor_in_its_node_config(small_config, monkeypatch, tmp_path,
                                                                                     overrides, secure_aggregation,
@@ -144,7 +145,20 @@ def test_deploy_local_gives_each_supernode_the_runs_noise_floor_in_its_node_conf
     cfg = small_config(*overrides)
     with pytest.raises(Stop):
         local.deploy_local(cfg, 8, secure=False, secure_aggregation=secure_aggregation, printer=lambda _: None)
-    line = real(tmp_path, 8, extra_node_config=made["extra_node_config"])._node_config(3)
+    line = real(tmp_path, 8, secure=False, extra_node_config=made["extra_node_config"])._node_config(3)
     assert line.startswith("partition-id=3 num-partitions=8 ") and line.endswith(floor) and ("floor" in line) == bool(floor)
     deployed = build_config(yaml.safe_load((tmp_path / "run" / "deployment" / "config.yaml").read_text()))
     enforce(NoiseFloor.from_node_config(parse_config_args([line])), deployed.privacy)  # the node trains at the run's noise
+    if secure_aggregation:  # t and k from its own node config; with TLS, its auth key signs and the roster is all nodes'
+        from fedprivacy.deploy.security import generate_node_keys
+        from fedprivacy.fl.noise_floor import SecAggNode
+        from flwr.supercore.primitives.asymmetric import bytes_to_private_key, public_key_to_bytes
+
+        sa = deployed.privacy.secure_aggregation
+        assert SecAggNode.from_node_config(parse_config_args([line])) == SecAggNode(sa.threshold, sa.neighbours)
+        secure = real(tmp_path, 8, secure=True, extra_node_config=made["extra_node_config"])
+        secure.keys = [generate_node_keys(tmp_path / "keys", f"supernode-{i}") for i in range(8)]
+        secure._write_roster()
+        node = SecAggNode.from_node_config(parse_config_args([secure._node_config(3)]))
+        own = public_key_to_bytes(bytes_to_private_key(node.identity_key).public_key())
+        assert node.roster is not None and len(node.roster) == 8 and own in node.roster

@@ -4,6 +4,7 @@ of its own node config (fedprivacy/fl/noise_floor.py); below it, or without it, 
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ from fedprivacy.config import PrivacyConfig
 from fedprivacy.engines.inprocess import InProcessGrid
 from fedprivacy.fl import client_app
 from fedprivacy.fl.client_app import build_client_app
-from fedprivacy.fl.noise_floor import (BITS_KEY, EXPECTED_COHORT_KEY, NODE_KEYS, NOISE_MULTIPLIER_KEY, NoiseFloor,
-                                       NoiseFloorError, enforce, floor_node_config)
+from fedprivacy.fl.noise_floor import (BITS_KEY, EXPECTED_COHORT_KEY, IDENTITY_KEY, NEIGHBOURS_KEY, NODE_KEYS,
+                                       NOISE_MULTIPLIER_KEY, ROSTER_KEY, THRESHOLD_KEY, NoiseFloor, NoiseFloorError,
+                                       SecAggNode, enforce, floor_node_config)
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.secure_aggregation import SECAGG, SecureAggregation
 from fedprivacy.fl.strategy import DPFedAvg
@@ -30,6 +32,7 @@ from fedprivacy.updates import SparseUpdate
 
 Z, C, M = 0.5, 1.0, 8  # the deployed run's settings (small_config's z, C and m)
 FLOOR = {NOISE_MULTIPLIER_KEY: Z, EXPECTED_COHORT_KEY: M, BITS_KEY: 20}
+SECAGG_NODE = {THRESHOLD_KEY: 2, NEIGHBOURS_KEY: 3}  # the node's own SecAgg+ t and k
 
 
 def _zero_update(model, features, labels, **kw) -> LocalResult:  # stands in for local_sgd: Delta_i = 0
@@ -91,7 +94,7 @@ def test_a_server_asking_for_less_noise_gets_an_error_reply_naming_the_setting(d
 def test_under_secure_aggregation_fewer_bits_are_refused_at_setup_and_the_floors_bits_accepted(deployed):
     def setup(cfg):
         stage = ConfigRecord({"stage": "setup", "round": 1, "threshold": 2, "neighbours": 3})
-        return _train(cfg, FLOOR, RecordDict({SECAGG: stage}))
+        return _train(cfg, {**FLOOR, **SECAGG_NODE}, RecordDict({SECAGG: stage}))
 
     secure = ("privacy.sampling=poisson", "privacy.budget_accountant=rdp", "privacy.accountants=[rdp]")
     fewer = setup(deployed(*secure, "privacy.secure_aggregation={threshold: 2, neighbours: 3, bits: 19}"))
@@ -99,6 +102,45 @@ def test_under_secure_aggregation_fewer_bits_are_refused_at_setup_and_the_floors
         "client refuses the server's bits=19: its node config sets bits-floor=20")
     same = setup(deployed(*secure, "privacy.secure_aggregation={threshold: 2, neighbours: 3, bits: 20}"))
     assert not same.has_error() and {"pk1", "pk2"} <= set(same.content[SECAGG].keys())
+
+
+def test_a_deployed_client_holds_secure_aggregation_to_its_own_threshold_not_the_servers_run_config(deployed):
+    """The server's run config lowers the threshold to 2 of 3 and announces it: the node config says 3 of 5, so the
+    client refuses at setup (a server that picks t and k picks which secrets it can rebuild); without the keys it
+    refuses to run the protocol at all."""
+    cfg = deployed("privacy.sampling=poisson", "privacy.budget_accountant=rdp", "privacy.accountants=[rdp]",
+                   "privacy.secure_aggregation={threshold: 2, neighbours: 3, bits: 20}")
+    stage = RecordDict({SECAGG: ConfigRecord({"stage": "setup", "round": 1, "threshold": 2, "neighbours": 3})})
+    lowered = _train(cfg, {**FLOOR, THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 5}, stage)
+    assert lowered.has_error() and "threshold" in lowered.error.reason and "\n" not in lowered.error.reason
+    missing = _train(cfg, FLOOR, stage)
+    assert missing.has_error() and missing.error.reason.endswith(
+        "set secagg-threshold and secagg-neighbours in its node config (flower-supernode --node-config)")
+
+
+def test_the_secure_aggregation_node_config_is_read_with_errors_naming_the_key_and_file(tmp_path):
+    from fedprivacy.deploy.security import generate_node_keys
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, public_key_to_bytes
+
+    keys = [generate_node_keys(tmp_path, f"node-{i}") for i in range(3)]
+    roster = tmp_path / "roster.pub"
+    roster.write_bytes(b"# the deployment's nodes\n\n" + b"".join(k.public_key.read_bytes() for k in keys))
+    node = SecAggNode.from_node_config({THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 5, IDENTITY_KEY: str(keys[1].private_key),
+                                        ROSTER_KEY: str(roster)})
+    own = public_key_to_bytes(bytes_to_private_key(node.identity_key).public_key())
+    assert (node.threshold, node.neighbours) == (3, 5) and node.roster is not None and len(node.roster) == 3
+    assert own in node.roster
+    for bad, words in (({THRESHOLD_KEY: 2, NEIGHBOURS_KEY: 5}, "2 * threshold > neighbours"),
+                       ({THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 4}, "must be odd"),
+                       ({THRESHOLD_KEY: "3", NEIGHBOURS_KEY: 5}, "secagg-threshold must be an integer"),
+                       ({THRESHOLD_KEY: 3}, "set secagg-threshold and secagg-neighbours"),
+                       ({THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 5, IDENTITY_KEY: str(tmp_path / "none")},
+                        f"secagg-identity-key: cannot read {tmp_path / 'none'}"),
+                       ({THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 5, IDENTITY_KEY: str(roster)}, "holds no unencrypted EC"),
+                       ({THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 5, ROSTER_KEY: str(keys[0].private_key)}, "line 1 is not"),
+                       ({THRESHOLD_KEY: 3, NEIGHBOURS_KEY: 5, ROSTER_KEY: 7}, "must name a file")):
+        with pytest.raises(NoiseFloorError, match=re.escape(words)):
+            SecAggNode.from_node_config(bad)
 
 
 @pytest.mark.parametrize("placement", ["distributed", "local"])
@@ -167,7 +209,8 @@ def test_a_secure_aggregation_round_completes_without_the_client_whose_bits_floo
                    "privacy.expected_cohort=4", "privacy.secure_aggregation={threshold: 2, neighbours: 3, bits: 20}")
     strategy = DPFedAvg(noise_multiplier=Z, clip_norm=C, expected_cohort=4, population=4, placement="distributed",
                         secure_aggregation=secure, delta=1e-3, accountants=("rdp",), budget_accountant="rdp")
-    grid = _grid(cfg, lambda p: {**FLOOR, EXPECTED_COHORT_KEY: 4, BITS_KEY: 24 if p == 1 else 20}, nodes=4)
+    grid = _grid(cfg, lambda p: {**FLOOR, **SECAGG_NODE, EXPECTED_COHORT_KEY: 4, BITS_KEY: 24 if p == 1 else 20},
+                 nodes=4)
     start = model_to_record(load_task(cfg.data).new_model())
     app, out = ServerApp(), {}
 
