@@ -12,7 +12,11 @@ from fedprivacy import client_noise_mod, secure_aggregation_mod
 def noise_on_device(msg: Message, context: Context, call_next):
     """With ``noise-placement = "distributed"`` or ``"local"``, clip and noise on the device
     (:func:`fedprivacy.fl.mods.client_noise_mod`), or with ``secure-aggregation = true`` add a Skellam share and
-    answer SecAgg+ (:func:`fedprivacy.secure_aggregation_mod`); with ``"central"`` the server does both."""
+    answer SecAgg+ (:func:`fedprivacy.secure_aggregation_mod`); with ``"central"`` the server does both.
+
+    This demo reads the noise and SecAgg+ settings from the run config, which the SERVER launches: fine for a
+    simulation, but on real devices that do not trust the server pass the mods the device's own values (its code
+    or ``context.node_config``), as fedprivacy's own ClientApp does (docs/DEPLOYMENT.md, "the noise floor")."""
     cfg = run_config(context)
     if cfg["noise-placement"] == "central":
         return call_next(msg, context)
