@@ -1,6 +1,7 @@
 r"""Client mods for any Flower ClientApp: client-side clipping with distributed or local noise, and
-top-k uplink compression with error feedback; the answer to the strategy's identity query; and the two uploads as functions of a client's delta,
-which fedprivacy's own ClientApp and the cohort engine call too (one implementation of each step).
+top-k uplink compression with error feedback; the answer to the strategy's identity query; and the two
+uploads as functions of a client's delta, which fedprivacy's own ClientApp and the cohort engine call too
+(one implementation of each step).
 
 .. code-block:: python
 

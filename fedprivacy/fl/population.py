@@ -8,16 +8,15 @@ so is a count that stays below the population for ``settle`` seconds once nodes 
 
 A node's node id is not who it is: SuperNodes without persistent keys register under new ids after a
 restart. Its **identity** is the ``partition-id`` of its node config, which it reports in reply to the
-identity query, a ``query.identity`` message (:func:`node_identities`; fedprivacy's ClientApp answers it, any
-other ClientApp once :func:`~fedprivacy.fl.mods.answer_identity_query` registers the answer). :func:`discover_nodes` orders the nodes by it, and a
-strategy whose schedule gives each user a group keeps the users' order by identity across restarts
-(:func:`population_change`, :func:`in_order`).
+identity query, a ``query.identity`` message (:func:`node_identities`; fedprivacy's ClientApp answers it,
+any other ClientApp once :func:`~fedprivacy.fl.mods.answer_identity_query` registers the answer).
+:func:`discover_nodes` orders the nodes by it, and a strategy whose schedule gives each user a group keeps
+the users' order by identity across restarts (:func:`population_change`, :func:`in_order`).
 """
 
 from __future__ import annotations
 
 import time
-
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -93,7 +92,7 @@ def node_identities(grid: Grid, node_ids: Sequence[int], timeout: float = NODE_D
 
     Raises:
         RuntimeError: a node answered with an error or without a valid identity, or did not answer (naming the
-            node and the mod its ClientApp needs).
+            node and the call its ClientApp needs).
     """
     identities: dict[int, int] = {}
     asked = set(node_ids)

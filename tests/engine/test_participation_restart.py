@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedprivacy import answer_identity_query
-from fedprivacy.engines.inprocess import run_inprocess
-from fedprivacy.fl.population import (PopulationMismatch, identity_query, in_order, population_change,
-                                      reported_identity)
+from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
+from fedprivacy.fl.population import (PopulationMismatch, identity_query, in_order, node_identities,
+                                      population_change, reported_identity)
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import STATE, StrategyState
 from fedprivacy.outputs import ResumeError, atomic_save
@@ -126,7 +126,7 @@ def test_a_first_start_with_a_duplicated_identity_is_refused(tmp_path):
         _start(DPFedAvg(**_settings("cyclic_poisson"), state_dir=tmp_path), app, 1)
 
 
-def test_a_node_that_does_not_report_its_identity_is_an_error_naming_the_mod(tmp_path):
+def test_a_node_that_does_not_report_its_identity_is_an_error_naming_the_call_to_add(tmp_path):
     with pytest.raises(RuntimeError, match=r"node \d+ failed the identity query .*fedprivacy.answer_identity_query\(app\)"):
         _start(DPFedAvg(**_settings("min_separated"), state_dir=tmp_path), _client_app([], identity=False), 1)
 
@@ -198,6 +198,15 @@ def test_answer_identity_query_leaves_the_apps_own_queries_alone(task_identity):
     context = Context(run_id=1, node_id=7, node_config={"partition-id": 3}, state=RecordDict(), run_config={})
     assert reported_identity(app(identity_query(7), context)) == 3
     assert "own" in app(Message(RecordDict(), dst_node_id=7, message_type="query"), context).content
+
+
+def test_the_in_process_grid_registers_its_nodes_under_the_ids_given(task_identity):
+    grid = InProcessGrid(_client_app([]), 3, node_ids=[9, 4, 7])
+    assert list(grid.get_node_ids()) == [9, 4, 7]
+    assert node_identities(grid, [9, 4, 7]) == {9: 0, 4: 1, 7: 2}
+    for bad in ([9, 4], [9, 4, 9], [9, 1, 7], [9, 0, 7]):
+        with pytest.raises(ValueError, match="node_ids must be 3 distinct positive ids"):
+            InProcessGrid(_client_app([]), 3, node_ids=bad)
 
 
 _VALUES = st.one_of(st.integers(-5, 2**40), st.booleans(), st.floats(allow_nan=True), st.text(max_size=5),
