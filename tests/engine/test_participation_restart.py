@@ -22,9 +22,10 @@ from fedprivacy.fl.population import (PopulationMismatch, identity_query, in_ord
                                       population_change, reported_identity)
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import STATE, StrategyState
-from fedprivacy.outputs import ResumeError, atomic_save
+from fedprivacy.outputs import CHECKPOINT, ResumeError, atomic_save
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.release_log import ReleaseLog
+from fedprivacy.run import run
 
 USERS, GROUPS, RELEASES = 6, 3, 200
 NOISE = {"independent": {}, "blt": {"noise_stream": CorrelatedMechanism(kind="blt", horizon=12, groups=GROUPS,
@@ -241,3 +242,19 @@ def test_in_order_keeps_every_identity_in_its_place_and_any_change_is_named(data
         assert change is None
     else:
         assert change is not None and f"not among the registered nodes (partition-id {gone})" in change
+
+
+@pytest.mark.slow
+def test_fedprivacy_run_keeps_its_partition_order_and_resumes_a_checkpoint_that_kept_none(small_config, tmp_path):
+    """``fedprivacy run`` maps partition ``i`` to user ``i`` (``discover_nodes``) on every start: its checkpoint
+    keeps that order, and one of an older fedprivacy without it resumes in the same order."""
+    blt = ("privacy.sampling=min_separated", "privacy.groups=2", "privacy.mechanism.kind=blt",
+           "privacy.mechanism.buffers=2", "privacy.expected_cohort=6", "privacy.accountants=[rdp]")
+    out = tmp_path / "run"
+    summary = run(small_config("rounds=2", f"output_dir={out}", *blt))
+    saved = torch.load(out / CHECKPOINT, weights_only=False)
+    assert saved["identities"] == list(range(summary["population"]))
+    del saved["identities"]
+    atomic_save(saved, out / CHECKPOINT)
+    assert run(small_config("rounds=3", f"output_dir={out}", *blt), resume=True)["rounds_completed"] == 3
+    assert torch.load(out / CHECKPOINT, weights_only=False)["identities"] == list(range(summary["population"]))
