@@ -3,7 +3,8 @@
 The public API (README "Your own model"), importable from here or from its package: the DP strategy for
 any Flower ServerApp (:class:`DPFedAvg`), its mechanism (:class:`GaussianMechanism`) and correlated noise for it
 (:class:`CorrelatedMechanism`: DP-FTRL's tree, BandMF, BLT); client mods
-(:func:`client_noise_mod`, :func:`topk_uplink_mod`); SecAgg+ with distributed Skellam noise
+(:func:`client_noise_mod`, :func:`topk_uplink_mod`) and the answer to a cyclic schedule's identity query
+(:func:`answer_identity_query`); SecAgg+ with distributed Skellam noise
 (:class:`SecureAggregation` for ``DPFedAvg(secure_aggregation=...)``, :func:`secure_aggregation_mod` for any ClientApp); record-level DP in any ClientApp
 (:func:`make_record_dp`, read on the server by :func:`event_from_metrics`); :class:`AdaDPSOptimizer`;
 fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements.
@@ -20,7 +21,7 @@ from fedprivacy.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from fedprivacy.engines.inprocess import run_inprocess
-    from fedprivacy.fl.mods import client_noise_mod, topk_uplink_mod
+    from fedprivacy.fl.mods import answer_identity_query, client_noise_mod, topk_uplink_mod
     from fedprivacy.fl.record_dp import make_record_dp
     from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
-           "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "run_inprocess", "topk_uplink_mod"]
+           "make_record_dp", "answer_identity_query", "SecureAggregation", "secure_aggregation_mod", "run_inprocess", "topk_uplink_mod"]
 
 __getattr__ = lazy_exports(__name__, {
     "CorrelatedMechanism": "fedprivacy.privacy.correlated",
@@ -44,6 +45,7 @@ __getattr__ = lazy_exports(__name__, {
     "client_noise_mod": "fedprivacy.fl.mods",
     "event_from_metrics": "fedprivacy.privacy.client_ledgers",
     "make_record_dp": "fedprivacy.fl.record_dp",
+    "answer_identity_query": "fedprivacy.fl.mods",
     "SecureAggregation": "fedprivacy.fl.secure_aggregation",
     "secure_aggregation_mod": "fedprivacy.fl.secure_aggregation",
     "run_inprocess": "fedprivacy.engines.inprocess",

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -67,6 +67,7 @@ from fedprivacy.config import RunConfig
 from fedprivacy.engines.inprocess import SERVER_NODE_ID, InProcessGrid
 from fedprivacy.fl import server_app
 from fedprivacy.fl import strategy as strategy_module
+from fedprivacy.fl.mods import answer_identity_query
 from fedprivacy.fl.records import update_to_record
 from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.server_app import DPFedAvgServer, noise_stream_of
@@ -233,12 +234,7 @@ BROKEN_VARIANTS: dict[str, type[DPFedAvg]] = {
 
 def _audit_client_app(canary: torch.Tensor, crowd: torch.Tensor) -> ClientApp:
     """Partition 0 sends ``canary``, every other partition ``crowd`` (dense updates)."""
-    app = ClientApp()
-
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        return Message(RecordDict({"node": ConfigRecord({"partition-id": int(context.node_config["partition-id"])})}),
-                       reply_to=msg)
+    app = answer_identity_query(ClientApp())
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

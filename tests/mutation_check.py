@@ -86,6 +86,15 @@ MUTATIONS = [
  # hardening III: a deployed client takes SecAgg+'s threshold and neighbourhood from its own node config
  ("fedprivacy/fl/client_app.py", "                                          node.threshold, node.neighbours, roster=node.roster,", "                                          secagg.threshold, secagg.neighbours, roster=node.roster,", "tests/engine/test_noise_floor.py -k own_threshold"),
  ("fedprivacy/deploy/local.py", "            items.update({IDENTITY_KEY: str(self.keys[index].private_key), ROSTER_KEY: str(self.roster)})", "            pass", "tests/deploy/test_deploy_units.py -k noise_floor"),
+ # hardening III: participation that survives restarts (a cyclic schedule's users keyed by identity, kept in the state)
+ ("fedprivacy/fl/strategy.py", "        self.nodes = in_order(identities, order)\n", "        self.nodes = sorted(identities)\n", "tests/engine/test_participation_restart.py::test_restarts_under_shuffled_node_ids_keep_every_user_b_releases_apart[independent-min_separated]"),
+ ("fedprivacy/fl/strategy.py", "            kept = self.state is not None or self.identities is not None or self._unordered\n", "            kept = False\n", "tests/engine/test_participation_restart.py::test_restarts_under_shuffled_node_ids_keep_every_user_b_releases_apart[independent-cyclic_poisson]"),
+ ("fedprivacy/fl/strategy.py", "                \"identities\": self.identities}", "                \"identities\": None}", "tests/engine/test_participation_restart.py::test_restarts_under_shuffled_node_ids_keep_every_user_b_releases_apart[blt-min_separated]"),
+ ("fedprivacy/fl/strategy.py", "        order = fresh if self.identities is None else self.identities\n", "        order = fresh\n", "tests/engine/test_participation_restart.py -k another_population"),
+ ("fedprivacy/fl/strategy.py", "            if self._unordered:\n", "            if False:\n", "tests/engine/test_participation_restart.py -k older_state"),
+ ("fedprivacy/fl/population.py", "    twice = sorted(i for i, c in counts.items() if c > 1)\n", "    twice: list[int] = []\n", "tests/engine/test_participation_restart.py -k duplicated"),
+ ("fedprivacy/fl/population.py", "    missing = [i for i in order if i not in counts]\n", "    missing: list[int] = []\n", "tests/engine/test_participation_restart.py -k in_order_keeps"),
+ ("fedprivacy/fl/population.py", "    if isinstance(value, bool) or not isinstance(value, int) or value < 0:\n", "    if value is None:\n", "tests/engine/test_participation_restart.py -k reported_identity"),
 ]
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)

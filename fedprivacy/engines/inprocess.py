@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 from uuid import uuid4
 
@@ -45,11 +45,12 @@ CLIENT_APP_EXCEPTION = 1  # error code of a reply whose ClientApp raised
 
 
 class InProcessGrid(Grid):
-    """``num_nodes`` virtual SuperNodes with ``partition-id`` 0..num_nodes-1 and node id ``partition + 2``."""
+    """``num_nodes`` virtual SuperNodes with ``partition-id`` 0..num_nodes-1 and node id ``partition + 2``, or
+    ``node_ids[partition]`` (SuperNodes that register under other ids after a restart)."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
                  prefetch: Callable[[list[int]], None] | None = None, processes: int = 1,
-                 cohort: CohortTrainer | None = None) -> None:
+                 cohort: CohortTrainer | None = None, node_ids: Sequence[int] | None = None) -> None:
         """``prefetch(partitions)``, if given, is called with the partitions a batch of ``train``
         messages is addressed to when the batch is pushed, before any of them runs (the task's
         read-ahead of those clients' data: :meth:`fedprivacy.stackoverflow_tasks.TagPredictionTask.prefetch`).
@@ -59,6 +60,14 @@ class InProcessGrid(Grid):
         self.client_app = client_app
         self.cohort = cohort
         self.num_nodes = num_nodes
+        self._partitions: dict[int, int] | None = None  # node id -> partition, unless partition + 2
+        if node_ids is not None:
+            self._partitions = {node: partition for partition, node in enumerate(node_ids)}
+            if not len(self._partitions) == len(node_ids) == num_nodes or SERVER_NODE_ID in self._partitions \
+                    or min(node_ids) < 1 or cohort is not None:
+                raise ValueError(f"node_ids must be {num_nodes} distinct positive ids other than the server's "
+                                 f"({SERVER_NODE_ID}), without a cohort trainer (it addresses partition i as node "
+                                 f"i + 2); got {list(node_ids)}")
         self.prefetch = prefetch
         self._run = Run.create_empty(run_id=run_id)
         self._states: dict[int, RecordDict] = {}
@@ -90,12 +99,12 @@ class InProcessGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        return range(2, self.num_nodes + 2)
+        return range(2, self.num_nodes + 2) if self._partitions is None else list(self._partitions)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Queue messages; their ClientApps run when the replies are pulled."""
         messages = list(messages)
-        if self.prefetch is not None and (cohort := [m.metadata.dst_node_id - 2 for m in messages
+        if self.prefetch is not None and (cohort := [self._partition(m.metadata.dst_node_id) for m in messages
                                                      if m.metadata.message_type == "train"]):
             self.prefetch(cohort)
         ids = []
@@ -154,7 +163,7 @@ class InProcessGrid(Grid):
         the ClientApp and the mods share (:func:`~fedprivacy.fl.client_app.adopt_legacy_residual`)."""
         moved = 0
         for node_id, state in states.items():
-            self._check_node(node_id)
+            self._partition(node_id)
             moved += adopt_legacy_residual(state)
             self._keep_state(node_id, state)
         if moved:
@@ -162,9 +171,12 @@ class InProcessGrid(Grid):
                      moved, LEGACY_RESIDUAL, RESIDUAL)
 
     # -- delivery ---------------------------------------------------------------------------
-    def _check_node(self, node_id: int) -> None:
-        if not 0 <= node_id - 2 < self.num_nodes:
+    def _partition(self, node_id: int) -> int:
+        """The partition of node ``node_id`` (ValueError: no such node)."""
+        partition = node_id - 2 if self._partitions is None else self._partitions.get(node_id, -1)
+        if not 0 <= partition < self.num_nodes:
             raise ValueError(f"no node with id {node_id}")
+        return partition
 
     def _keep_state(self, node_id: int, state: RecordDict) -> None:
         """Keep a node's state once it is non-empty: a node whose state is still empty is
@@ -179,9 +191,8 @@ class InProcessGrid(Grid):
         node_id = msg.metadata.dst_node_id
         context = None
         try:
-            self._check_node(node_id)
             context = Context(run_id=self._run.run_id, node_id=node_id,
-                              node_config={"partition-id": node_id - 2, "num-partitions": self.num_nodes},
+                              node_config={"partition-id": self._partition(node_id), "num-partitions": self.num_nodes},
                               state=state, run_config=dict(self._run.override_config))
             return self.client_app(msg, context), context.state
         except Exception as exc:  # a failing client is a dropout, never a crashed run
@@ -199,11 +210,12 @@ class InProcessGrid(Grid):
 
 def run_inprocess(server_app: ServerApp, client_app: ClientApp, num_nodes: int,
                   prefetch: Callable[[list[int]], None] | None = None, processes: int = 1,
-                  cohort: CohortTrainer | None = None) -> None:
+                  cohort: CohortTrainer | None = None, node_ids: Sequence[int] | None = None) -> None:
     """Run ``server_app`` against ``num_nodes`` in-process SuperNodes running ``client_app`` on
     ``processes`` processes (this one and ``processes - 1`` forked workers), or, for the train
-    batches ``cohort`` handles, trained together."""
-    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch, processes=processes, cohort=cohort)
+    batches ``cohort`` handles, trained together; ``node_ids``: their ids (:class:`InProcessGrid`)."""
+    grid = InProcessGrid(client_app, num_nodes, prefetch=prefetch, processes=processes, cohort=cohort,
+                         node_ids=node_ids)
     TaskIdentity.run_id = grid.run.run_id
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = SERVER_NODE_ID

@@ -1,5 +1,6 @@
 """Flower's layer: fedprivacy's ServerApp and ClientApp, and what any Flower app can use (imported on first use):
-the DP strategy :class:`DPFedAvg`, the client mods :func:`client_noise_mod` and :func:`topk_uplink_mod`, and
+the DP strategy :class:`DPFedAvg`, the client mods :func:`client_noise_mod` and :func:`topk_uplink_mod`,
+:func:`answer_identity_query` (a cyclic schedule's identity query), and
 :func:`make_record_dp` for record-level DP in a ClientApp, and SecAgg+ with distributed Skellam noise
 (:class:`SecureAggregation`, :func:`secure_aggregation_mod`)."""
 
@@ -8,15 +9,16 @@ from typing import TYPE_CHECKING
 from fedprivacy.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from fedprivacy.fl.mods import client_noise_mod, topk_uplink_mod
+    from fedprivacy.fl.mods import answer_identity_query, client_noise_mod, topk_uplink_mod
     from fedprivacy.fl.record_dp import make_record_dp
     from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
 
-__all__ = ["DPFedAvg", "client_noise_mod", "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "topk_uplink_mod"]
+__all__ = ["DPFedAvg", "answer_identity_query", "client_noise_mod", "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "topk_uplink_mod"]
 
 __getattr__ = lazy_exports(__name__, {
     "DPFedAvg": "fedprivacy.fl.strategy",
+    "answer_identity_query": "fedprivacy.fl.mods",
     "client_noise_mod": "fedprivacy.fl.mods",
     "make_record_dp": "fedprivacy.fl.record_dp",
     "SecureAggregation": "fedprivacy.fl.secure_aggregation",

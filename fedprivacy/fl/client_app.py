@@ -2,8 +2,8 @@
 
 Message contract (``message_type``):
 
-- ``query``: reply ``{"node": ConfigRecord({"partition-id": i})}`` so the server can map its
-  population onto node ids before round 1.
+- ``query.identity``: reply ``{"node": ConfigRecord({"partition-id": i})}`` so the server can map its
+  population onto node ids before round 1 (:func:`~fedprivacy.fl.mods.answer_identity_query`).
 - ``train``: content ``{"arrays": x_t, "config": {"server-round": t}}`` (server DiSK adds
   ``"lookahead": x_t + gamma d`` and ``config["disk-c"]``: the client then trains from both points
   with the same data order and sends ``c Delta(lookahead) + (1 - c) Delta(x_t)``); reply
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
@@ -49,7 +49,7 @@ from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
-from fedprivacy.fl.mods import RESIDUAL_KEY, compressed_upload, noised_upload
+from fedprivacy.fl.mods import RESIDUAL_KEY, answer_identity_query, compressed_upload, noised_upload
 from fedprivacy.fl.noise_floor import NoiseFloor, SecAggNode, enforce
 from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg
 from fedprivacy.fl.records import load_record_, record_to_vector, update_to_record
@@ -133,10 +133,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     app = ClientApp(mods=mods)
     lookaheads = _LastDecoded()
 
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        return Message(RecordDict({"node": ConfigRecord({"partition-id": partition})}), reply_to=msg)
+    answer_identity_query(app)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -1,6 +1,7 @@
 r"""Client mods for any Flower ClientApp: client-side clipping with distributed or local noise, and
-top-k uplink compression with error feedback; and the two uploads as functions of a client's delta,
-which fedprivacy's own ClientApp and the cohort engine call too (one implementation of each step).
+top-k uplink compression with error feedback; the answer to the strategy's identity query; and the two
+uploads as functions of a client's delta, which fedprivacy's own ClientApp and the cohort engine call too
+(one implementation of each step).
 
 .. code-block:: python
 
@@ -30,6 +31,10 @@ client's data released without noise.
 (:func:`fedprivacy.fl.client_app.client_reply`, also the reply of each client the cohort engine trains)
 calls them with its own delta, its simulation's seeded noise stream and the round's clip norm
 ``C_t``; its residual lives under the same :data:`RESIDUAL_KEY`.
+
+:func:`answer_identity_query` makes a ClientApp answer the identity query (:mod:`fedprivacy.fl.population`) with
+its node's ``partition-id``, which ``DPFedAvg`` with a cyclic schedule (``cyclic_poisson``, ``min_separated``) keys each user's
+group by, so that a restart under other node ids keeps every user in its group.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from fedprivacy.client.compression import Residual, compress
+from fedprivacy.fl.population import IDENTITY_ACTION, identity_reply
 from fedprivacy.fl.records import (arrays_to_record, arrays_to_vector, float32_arrays, record_to_arrays,
                                    update_to_record, vector_to_arrays)
 from fedprivacy.updates import SparseUpdate
@@ -107,6 +114,16 @@ def client_noise_mod(*, placement: Placement, noise_multiplier: float, clip_norm
         return reply
 
     return mod
+
+
+def answer_identity_query(app: ClientApp) -> ClientApp:
+    """Register on ``app`` the answer to the identity query (module docstring): its node config's ``partition-id``."""
+
+    @app.query(IDENTITY_ACTION)
+    def identity(msg: Message, context: Context) -> Message:
+        return identity_reply(int(context.node_config["partition-id"]), msg)
+
+    return app
 
 
 def topk_uplink_mod(*, density: float, clip_norm: float, quantization: str = "none",

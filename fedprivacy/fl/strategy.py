@@ -52,7 +52,8 @@ it: ``start()`` resumes from the checkpoint's round and model (the ``initial_arr
 then not used; ``Result.arrays`` is the final model, :attr:`DPFedAvg.arrays` the latest one), every
 logged release is accounted, no cohort or noise draw is reused, and a changed setting (z, C, m, N,
 sampling, placement, delta, seed, optimizer, ...) is refused naming it. ``num_rounds`` counts from the
-start of the run, not of the restart. WITHOUT ``state_dir`` the ledger lives only in memory: a crash
+start of the run, not of the restart. A cyclic schedule's users keep their places (their groups) by identity,
+not node id (:meth:`DPFedAvg._population`): a restart with other users is refused naming them. WITHOUT ``state_dir`` the ledger lives only in memory: a crash
 loses it, and a restarted ServerApp would count its epsilon from zero.
 
 Randomness (what a server that keeps the strategy's state can rebuild): by default (``seed=None``)
@@ -76,7 +77,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedprivacy.fl.population import NODE_DISCOVERY_TIMEOUT_S, wait_for_population
+from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
+                                      population_change, wait_for_population)
 from fedprivacy.fl.records import layout_to_record, record_nbytes, record_to_layout, reply_content, reply_to_update
 from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.optim.adambc import ServerAdamBC
@@ -250,6 +252,8 @@ class DPFedAvg(Strategy):
         self.layout: dict[str, tuple[int, ...]] = {}  # parameter name -> shape, in the broadcast's order
         self._record: ArrayRecord | None = None  # x_t as broadcast (and returned by aggregate_train)
         self.nodes: list[int] | None = None  # the population's node ids, in sampling order
+        self.identities: list[int] | None = None  # a cyclic schedule's users by identity, in sampling order (kept)
+        self._unordered = False  # resumed from a state that kept no order of its users
         self._labels: dict[int, int] = {}  # node id -> the id its client-side ledger is kept under
         self.cohort: list[int] = []  # this round's sampled nodes
         self._secagg: SecAggRound | None = None  # this round's SecAgg+ protocol, between configure and aggregate
@@ -444,12 +448,21 @@ class DPFedAvg(Strategy):
                 self.mechanism.dim = self.params.numel()
 
     def use_population(self, nodes: Sequence[int], labels: Sequence[int] | None = None) -> None:
-        """Sample over ``nodes`` (in this order) instead of the registered nodes' sorted ids; ``labels``:
-        the id under which each node's client-side releases are kept (default: its node id)."""
+        """Sample over ``nodes`` (in this order) instead of the registered nodes in the strategy's own order
+        (:meth:`_population`); ``labels``: each node's identity (its partition-id), under which its client-side
+        releases are kept (default: its node id). A cyclic schedule keeps the order of these identities: resumed
+        from a state that holds one, it takes ``nodes`` in the saved order (:meth:`_arrange`); from a state
+        that holds none, in the order given (the partition order fedprivacy's run has always used)."""
         if len(nodes) != self.mechanism.population:
             raise ValueError(f"{len(nodes)} nodes given for population={self.mechanism.population}")
-        self.nodes = list(nodes)
         self._labels = dict(zip(nodes, labels)) if labels is not None else {}
+        if labels is not None and self.mechanism.sampler.separation is not None:
+            self._arrange(self._labels, list(labels))
+        elif self.identities is not None and self.mechanism.sampler.separation is not None:
+            raise ValueError("use_population: the saved state orders the users by identity: give each node's "
+                             "partition-id as labels=...")
+        else:
+            self.nodes = list(nodes)
 
     def resume(self, saved: dict[str, Any] | None, release_log: ReleaseLog) -> int:
         """Continue from ``saved`` (:meth:`state_dict`; None: from round 0) with every release in
@@ -481,7 +494,8 @@ class DPFedAvg(Strategy):
         """The round, ``x_t``, the server step's and the mechanism's state, the clients' ledgers."""
         return {"round": self.round, "params": None if self.params is None else self.params.cpu(),
                 **self.step.state_dict(), **self.mechanism.state_dict(),
-                "client_ledgers": self.client_ledgers.state_dict(), "empty_rounds": list(self.empty_rounds)}
+                "client_ledgers": self.client_ledgers.state_dict(), "empty_rounds": list(self.empty_rounds),
+                "identities": self.identities}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` onto a strategy holding a model of the same layout (:meth:`adopt`)."""
@@ -495,6 +509,8 @@ class DPFedAvg(Strategy):
         self.mechanism.load_state_dict(state)
         self.client_ledgers.load_state_dict(state.get("client_ledgers") or {})
         self.empty_rounds = list(state.get("empty_rounds", []))
+        self.identities = state.get("identities")
+        self._unordered = self.identities is None
         self._record = layout_to_record(self.params, self.layout)
         log.info("DPFedAvg: resumed at round %d (%d releases accounted)", self.round, self.mechanism.ledger.rounds)
 
@@ -508,10 +524,42 @@ class DPFedAvg(Strategy):
         return self.stopped
 
     def _population(self, grid: Grid) -> list[int]:
-        """The population's node ids, fixed at round 1 (:func:`~fedprivacy.fl.population.wait_for_population`)."""
+        """The population's node ids in sampling order, fixed at round 1
+        (:func:`~fedprivacy.fl.population.wait_for_population`). Poisson and fixed-size sampling treat every user
+        alike each round: the nodes' sorted ids. A cyclic schedule puts user ``i`` in group ``i mod b``: when its
+        order outlives this start (``state_dir``, or a state loaded), the nodes report their identities
+        (:func:`~fedprivacy.fl.population.node_identities`) and each keeps its place across restarts
+        (:meth:`_arrange`), whatever node id it registers under."""
         if self.nodes is None:
-            self.nodes = wait_for_population(grid, self.mechanism.population, self.node_timeout)
+            nodes = wait_for_population(grid, self.mechanism.population, self.node_timeout)
+            kept = self.state is not None or self.identities is not None or self._unordered
+            if self.mechanism.sampler.separation is None or not kept:
+                self.nodes = nodes
+                return self.nodes
+            if self._unordered:
+                raise ResumeError(f"resume refused: the saved state keeps no order of its users (written by an older "
+                                  f"fedprivacy, by a strategy without state_dir, or given its population without "
+                                  f"identities): under other node ids the {self.mechanism.sampling} schedule's groups "
+                                  f"could change and a user participate less than {self.mechanism.sampler.separation} "
+                                  f"releases apart (start the run anew in another state_dir)")
+            identities = node_identities(grid, nodes, self.node_timeout)
+            self._labels = dict(identities)
+            self._arrange(identities, sorted(identities.values()))
+        assert self.nodes is not None
         return self.nodes
+
+    def _arrange(self, identities: Mapping[int, int], fresh: list[int]) -> None:
+        """Sample over the nodes (node id -> identity) in the saved order of identities, or in ``fresh``'s on a
+        run's first start; a population that is not exactly the saved one (a missing, new or duplicated
+        identity) is refused naming them: it would move users between the cyclic schedule's groups."""
+        order = fresh if self.identities is None else self.identities
+        if (change := population_change(identities, order)) is not None:
+            if self.identities is None:
+                raise PopulationMismatch(f"the {self.mechanism.sampling} schedule needs one node per user: {change}")
+            raise ResumeError(f"resume refused: {change}: the {self.mechanism.sampling} schedule's groups would "
+                              f"change (start the same users, each with its partition-id, or use another state_dir)")
+        self.nodes = in_order(identities, order)
+        self.identities = list(order)
 
     def _broadcast(self, t: int, config: ConfigRecord) -> dict[str, ArrayRecord | ConfigRecord]:
         """What every sampled node receives in round ``t``: ``x_t``, the config (with the round, C_t, the

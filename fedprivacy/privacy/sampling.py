@@ -11,7 +11,9 @@ source, so that the cohort is as secret as the amplification by sampling assumes
 
 Schedules whose cohort depends on the release (``b = groups``; user ``i`` is in group ``i mod b``, release ``k``
 samples group ``(k - 1) mod b``, so one user's participations are at least ``b`` releases apart and at most
-``ceil(T / b)`` in ``T`` releases; the group follows the release number, which a resume keeps):
+``ceil(T / b)`` in ``T`` releases; the group follows the release number, which a resume keeps, and user ``i`` is
+the ``i``-th of the population's order, which the strategy keeps by each node's identity, not its node id:
+:meth:`fedprivacy.fl.strategy.DPFedAvg._population`):
 
 - :class:`CyclicPoissonSampler`: within the group, each user w.p. ``q = m b / N`` (Choquette-Choo et al. 2023,
   arXiv:2306.08153, §4, "cyclic Poisson"). Accounted per cycle: its first release composes

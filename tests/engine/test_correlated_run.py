@@ -11,6 +11,7 @@ import pytest
 import torch
 from dp_accounting import rdp
 
+from fedprivacy import answer_identity_query
 from fedprivacy.config import ConfigError
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import StrategyState
@@ -60,6 +61,11 @@ def test_a_hand_written_server_app_with_blt_is_bit_identical_to_fedprivacy_run(s
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
 
 
+def _identified_client_app():
+    """The stock ClientApp, answering the identity query a cyclic schedule with ``state_dir`` asks."""
+    return answer_identity_query(_plain_client_app())
+
+
 @pytest.mark.parametrize("spec", [CorrelatedMechanism(kind="tree", horizon=4, groups=2),
                                   CorrelatedMechanism(kind="bandmf", horizon=6, groups=2, bands=2, amplified=True),
                                   CorrelatedMechanism(kind="blt", horizon=6, groups=2, buffers=2)])
@@ -68,9 +74,9 @@ def test_a_seeded_restart_continues_the_same_correlated_stream_bit_for_bit(tmp_p
     settings = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, delta=1e-3, seed=0,
                     sampling=sampling, groups=2, noise_stream=spec)
     full = _start(DPFedAvg(**settings), _plain_client_app(), 8, rounds=5, lr=0.5)
-    _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=3, lr=0.5)
+    _start(DPFedAvg(**settings, state_dir=tmp_path), _identified_client_app(), 8, rounds=3, lr=0.5)
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
-    result = _start(restarted, _plain_client_app(), 8, rounds=5, lr=0.5)
+    result = _start(restarted, _identified_client_app(), 8, rounds=5, lr=0.5)
     assert torch.equal(_flat(result.arrays), _flat(full.arrays))
     with pytest.raises(Exception, match="noise_stream"):
         DPFedAvg(**{**settings, "noise_stream": CorrelatedMechanism(kind="tree", horizon=8, groups=2)},
@@ -81,12 +87,12 @@ def test_a_restart_from_the_os_begins_a_new_strategy_and_accounts_it(tmp_path):
     spec = CorrelatedMechanism(kind="blt", horizon=6, groups=2, buffers=2)
     settings = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, delta=1e-3, seed=None,
                     sampling="min_separated", groups=2, noise_stream=spec)
-    _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=3, lr=0.5)
+    _start(DPFedAvg(**settings, state_dir=tmp_path), _identified_client_app(), 8, rounds=3, lr=0.5)
     saved = load_checkpoint(tmp_path / "strategy.pt")
     assert saved["noise"] is None and saved["sampler"] is None  # no noise (no buffer, no generator) on disk
     assert saved["stream_start"] == 1  # a plain number: how the stream numbered its releases
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
-    _start(restarted, _plain_client_app(), 8, rounds=5, lr=0.5)
+    _start(restarted, _identified_client_app(), 8, rounds=5, lr=0.5)
     runs = [(e, n) for e, n in restarted.mechanism.ledger.entries if isinstance(e, MatrixMechanismRun)]
     assert sum(n for _, n in runs) == 2  # release 1 and release 4: the resumed strategy is a new Gaussian release
     assert restarted.mechanism.stream_start == 4

@@ -246,12 +246,11 @@ def test_server_momentum_state_is_built_from_the_noised_release_only(small_confi
 
 
 def test_in_process_grid_push_then_pull_delivers_like_send_and_receive(small_config):
-    from flwr.app import Message, RecordDict
-
     from fedprivacy.engines.inprocess import InProcessGrid
+    from fedprivacy.fl.population import identity_query
 
     grid = InProcessGrid(build_client_app(small_config()), 5)
-    queries = [Message(RecordDict(), dst_node_id=n, message_type="query") for n in grid.get_node_ids()]
+    queries = [identity_query(n) for n in grid.get_node_ids()]
     ids = list(grid.push_messages(queries))
     replies = list(grid.pull_messages(ids))
     assert sorted(int(r.content["node"]["partition-id"]) for r in replies) == [0, 1, 2, 3, 4]
