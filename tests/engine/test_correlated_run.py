@@ -113,12 +113,12 @@ def test_an_os_noise_blt_run_killed_after_logging_release_4_before_its_checkpoin
         save(self, settings, state)
     monkeypatch.setattr(StrategyState, "save", killed_at_round_4)
     with pytest.raises(KeyboardInterrupt):
-        _start(DPFedAvg(**settings, state_dir=tmp_path), _plain_client_app(), 8, rounds=6, lr=0.5)
+        _start(DPFedAvg(**settings, state_dir=tmp_path), _identified_client_app(), 8, rounds=6, lr=0.5)
     monkeypatch.setattr(StrategyState, "save", save)
     assert load_checkpoint(tmp_path / "strategy.pt")["round"] == 3
     assert ReleaseLog(tmp_path).entries[3]["event"] == CoveredRelease(1.0, "blt")
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
-    _start(restarted, _plain_client_app(), 8, rounds=6, lr=0.5)
+    _start(restarted, _identified_client_app(), 8, rounds=6, lr=0.5)
     entries = ReleaseLog(tmp_path).entries
     assert [(e["round"], e["epoch"]) for e in entries] == [(1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 1), (6, 1)]
     assert [e for e, n in restarted.mechanism.ledger.entries for _ in range(n)] == [e["event"] for e in entries]

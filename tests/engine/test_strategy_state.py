@@ -58,7 +58,7 @@ _APP = textwrap.dedent('''
     from flwr.app import ArrayRecord, ConfigRecord, Context
     from flwr.serverapp import Grid, ServerApp
     from fedprivacy.engines.inprocess import run_inprocess
-    from fedprivacy import SecureAggregation, secure_aggregation_mod
+    from fedprivacy import SecureAggregation, answer_identity_query, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
     from fedprivacy.fl.strategy_state import StrategyState
     from fedprivacy.privacy.correlated import CorrelatedMechanism
@@ -101,7 +101,8 @@ _APP = textwrap.dedent('''
         pid = os.fork()
         if pid == 0:
             try:
-                run_inprocess(app, _plain_client_app(slow, mods=mods if ARGS[2] == "secure" else None), 8)
+                client = _plain_client_app(slow, mods=mods if ARGS[2] == "secure" else None)
+                run_inprocess(app, answer_identity_query(client), 8)  # a min-separated state asks for identities
             except BaseException:
                 traceback.print_exc()
             sys.stdout.flush()
