@@ -14,7 +14,8 @@ weights, the broadcast plus a fixed random delta of L2 norm 0.5-2 C (6 of 10 cli
 
 Above ``--replay-above`` values (default 1,000,000: the 5,000,500 model), a round still runs the whole cohort
 through the protocol, but only ``--timed-clients`` of them (default 3, a different 3 each repetition) compute
-their Skellam share and are timed; the others send a copy of a real precomputed share, masked as usual (keys,
+their Skellam share and are timed; the others send a copy of a real precomputed share (each shifted cyclically by
+its own offset, :func:`replayed_shares`), masked as usual (keys,
 Shamir shares, ciphertexts, masks, messages all real): the server's work is the full cohort's and a round costs 3
 encodes instead of 10 (the default run then takes about 2 minutes instead of 3-6). Their released sum is not the
 workload's (the correctness check covers that); the dropout rounds replay every share.
@@ -131,6 +132,14 @@ class Meter:
             finally:
                 self.add(op, time.perf_counter() - t0)
         return timed
+
+
+def replayed_shares(share: np.ndarray, nodes: list[int]) -> dict[int, np.ndarray]:
+    """Each replaying node's copy of the precomputed share, cyclically shifted by an offset of its own: coordinate by
+    coordinate the copies' Skellam noise is then independent across nodes (it is iid over coordinates), as real
+    shares' is. Identical copies would add up coherently and the server's integrity check would (rightly) refuse
+    their sum as larger than honest clients can make it."""
+    return {n: np.roll(share, 1 + 104_729 * i) for i, n in enumerate(nodes)}
 
 
 @contextlib.contextmanager
@@ -524,7 +533,7 @@ def run_size(d: int, args: argparse.Namespace) -> None:
     reps: list[dict] = []
     for rep in range(args.repeat):
         row: dict = {"timed": [w.nodes[(rep * timed_n + i) % w.n] for i in range(timed_n)]}
-        replay = {n: w.share for n in w.nodes if n not in row["timed"]}
+        replay = replayed_shares(w.share, [n for n in w.nodes if n not in row["timed"]])
         order = ("plain", "secagg") if rep % 2 == 0 else ("secagg", "plain")
         for path in order:
             meter = Meter()
@@ -539,7 +548,7 @@ def run_size(d: int, args: argparse.Namespace) -> None:
         row["drop_meter"] = Meter()
         t0 = time.perf_counter()
         row["drop"] = secagg_round(w, rep + 1, row["drop_meter"], drop=row["dropped"],
-                                   replay={n: w.share for n in w.nodes} if timed_n < w.n else None)
+                                   replay=replayed_shares(w.share, w.nodes) if timed_n < w.n else None)
         row["drop_wall"] = time.perf_counter() - t0
         row["plain_drop"] = plaintext_round(w, rep + 1, Meter(), drop=row["dropped"])
         row["faults"] = {}
