@@ -35,9 +35,9 @@ Asserted rows (identical quantities) fail when the relative difference exceeds 1
 
 Run (from the repository root, in a venv holding jax-privacy, torch, numpy, dp-accounting, opacus)::
 
-    /work/venv-jaxprivacy/bin/python benchmarks/peer_check_jax_privacy.py            # default grid (~6 min on 2 cores)
-    /work/venv-jaxprivacy/bin/python benchmarks/peer_check_jax_privacy.py --quick    # n <= 64 only
-    /work/venv-jaxprivacy/bin/python benchmarks/peer_check_jax_privacy.py --full     # every n x b x buffers
+    .venv-jaxprivacy/bin/python benchmarks/peer_check_jax_privacy.py            # default grid (~6 min on 2 cores)
+    .venv-jaxprivacy/bin/python benchmarks/peer_check_jax_privacy.py --quick    # n <= 64 only
+    .venv-jaxprivacy/bin/python benchmarks/peer_check_jax_privacy.py --full     # every n x b x buffers
 """
 
 from __future__ import annotations

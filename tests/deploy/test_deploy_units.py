@@ -135,7 +135,7 @@ def test_deploy_local_gives_each_supernode_the_runs_noise_floor_in_its_node_conf
     real = local.LocalDeployment
 
     class Stop(Exception):
-        pass
+        """Stops deploy_local once it has built its deployment's arguments."""
 
     def record(*args, **kwargs):
         made.update(kwargs)
