@@ -72,7 +72,8 @@ MUTATIONS = [
  ("fedprivacy/privacy/mechanism.py", "        if lost or (self.secure and self.ledger.rounds >= self.stream_starts[0]):", "        if lost:", "tests/privacy/test_correlated_noise.py -k last_checkpoint"),
  ("fedprivacy/privacy/release_log.py", "if entry[\"release\"] > ledger.rounds and entry[\"epoch\"] != before[\"epoch\"]]", "if entry[\"release\"] > ledger.rounds and entry[\"epoch\"] > before[\"epoch\"] + 1]", "tests/privacy/test_correlated_noise.py -k last_checkpoint"),
  ("fedprivacy/privacy/mechanism.py", "        seed = 0 if self.seed is None else rekeyed_seed(self.seed, self.epoch)", "        seed = 0 if self.seed is None else self.seed", "tests/privacy/test_correlated_noise.py -k stream_that_made"),
- ("fedprivacy/privacy/secure_mechanism.py", "worst = self.params().event(self.min_shares,", "worst = self.params().event(self.expected_cohort,", "tests/engine/test_secure_run.py -k never_exceeds"), # hardening III: SecAgg+ against a server that lies in its messages
+ ("fedprivacy/privacy/secure_mechanism.py", "worst = self.params().event(self.min_shares,", "worst = self.params().event(self.expected_cohort,", "tests/engine/test_secure_run.py -k never_exceeds"),
+ # hardening III: SecAgg+ against a server that lies in its messages
  ("fedprivacy/fl/secure_aggregation.py", "    if threshold != settings.threshold:", "    if False:", "tests/engine/test_secure_aggregation.py -k threshold_other_than_their_own"),
  ("fedprivacy/fl/secure_aggregation.py", "    if not 2 * threshold > neighbours:", "    if False:", "tests/engine/test_secure_aggregation.py -k refuses_the_settings"),
  ("fedprivacy/fl/secure_aggregation.py", "not settings.threshold <= size <= settings.neighbours:", "not settings.threshold <= size:", "tests/engine/test_secure_aggregation.py -k neighbourhood_larger_than_their_own_k"),

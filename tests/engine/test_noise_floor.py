@@ -1,4 +1,4 @@
-"""A deployed client guarantees its own noise (issue 39, "the client guarantees its own noise"): fedprivacy's
+"""A deployed client guarantees its own noise: fedprivacy's
 ClientApp with ``cfg`` None takes z, m and bits from the SERVER's run config and holds them against the floor
 of its own node config (fedprivacy/fl/noise_floor.py); below it, or without it, it refuses with one line."""
 

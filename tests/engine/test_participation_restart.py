@@ -1,4 +1,4 @@
-"""A cyclic schedule's groups survive restarts (issue "Hardening III": participation that survives restarts).
+"""A cyclic schedule's groups survive restarts.
 
 User ``i`` of a cyclic schedule is in group ``i mod b``; ``i`` is the user's place in the population's order,
 which ``DPFedAvg`` keys by each node's identity (its ``partition-id``) and keeps in its state, not by node ids,

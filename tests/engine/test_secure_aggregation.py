@@ -250,7 +250,7 @@ def test_a_crash_after_a_logged_release_with_a_dropout_resumes_with_that_release
                  state_dir=tmp_path)
 
 
-# --- a malicious client's modular wrap (issue "Hardening III") ------------------------------------------------
+# --- a malicious client's modular wrap ------------------------------------------------------------------
 
 def _tampering_client(z: float, tamper) -> ClientApp:
     """Honest clients, except that node partition 0 adds ``tamper(values)`` (uint32, length D) to its masked upload
