@@ -339,6 +339,13 @@ def _cmd_data_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _allow_plugins(parser: argparse.ArgumentParser) -> None:
+    """The opt-in of a command that runs a config (:func:`~fedprivacy.config.check_plugins`)."""
+    parser.add_argument("--allow-plugins", action="store_true",
+                        help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
+                             "imports and runs that code, so pass it only for a config you trust")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedprivacy", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -352,9 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress display or lines and no per-round log (warnings only); the JSON summary still "
                         "goes to stdout")
-    p.add_argument("--allow-plugins", action="store_true",
-                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
-                        "imports and runs that code, so pass it only for a config you trust")
+    _allow_plugins(p)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("compare", help="run a study: methods x privacy budgets x seeds x hyperparameter grid, in "
@@ -364,9 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a study field, e.g. --set seeds=[0] --set base.rounds=5 (repeatable)")
     p.add_argument("--jobs", type=int, help="runs in parallel (default: the number of usable CPU cores; when the "
                                             "runs use CUDA, the number of GPUs, one worker per GPU)")
-    p.add_argument("--allow-plugins", action="store_true",
-                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
-                        "imports and runs that code, so pass it only for a config you trust")
+    _allow_plugins(p)
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs")
@@ -435,9 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a SuperNode that exits: its client drops out (continue), it is restarted and rejoins, "
                         "or the deployment stops (default: continue)")
     d.add_argument("--stream", action="store_true", help="echo Flower's streamed run log (default: one line per round)")
-    d.add_argument("--allow-plugins", action="store_true",
-                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
-                        "imports and runs that code, so pass it only for a config you trust")
+    _allow_plugins(d)
     d.set_defaults(func=_cmd_deploy_local)
 
     p = sub.add_parser("audit", help="empirical lower bound on one round's epsilon from a canary client "
@@ -452,9 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--break", dest="break_variant", default="correct",
                    choices=["correct", *sorted(BROKEN_VARIANT_NAMES)],
                    help="audit a deliberately broken server instead, to see the audit fail")
-    p.add_argument("--allow-plugins", action="store_true",
-                   help="run a config naming a plug-in (data.task or privacy.noise_stream as module:factory): it "
-                        "imports and runs that code, so pass it only for a config you trust")
+    _allow_plugins(p)
     p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser("data", help="data sets")

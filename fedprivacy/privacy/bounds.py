@@ -38,7 +38,6 @@ EPSILON_CEILING = 100.0
 (:mod:`fedprivacy.privacy.accounting`, "Accountable range")."""
 
 
-
 def check_noise_std(noise_multiplier: float, clip_norm: float, prefix: str = "") -> None:
     """The one rule on the noise std on the sum, ``z C`` <= :data:`MAX_NOISE_STD` (the config and
     :class:`~fedprivacy.privacy.mechanism.GaussianMechanism` both apply it; ``prefix`` names their section).
