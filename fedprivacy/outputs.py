@@ -64,6 +64,9 @@ METRICS_COLUMNS: dict[str, tuple[bool, str]] = {
     "cohort_received": (False, _WHO_REPLIED), "cohort_accepted": (False, _WHO_REPLIED),
     "cohort_dropped": (False, _WHO_REPLIED), "rejected_": (False, _WHO_REPLIED),
     "secagg_survivors": (False, _WHO_REPLIED), "secagg_aborted": (False, _WHO_REPLIED),
+    "secagg_failed_": (False, _WHO_REPLIED),
+    "secagg_integrity_refused": (False, "whether the server refused the round's decoded sum as larger than honest "
+                                        "clients can make it (a tampered upload)"),
     "uplink_bytes_per_client": (False, "the mean size of the accepted replies (a sparse upload's depends on its data)"),
     "residual_bytes_per_client": (False, "the clients' reported error-feedback residual size"),
     "side_information_bytes": (False, "AdaDPS bytes sent to this cohort (which sampled nodes had A already)"),

@@ -206,6 +206,16 @@ def test_a_column_nobody_classified_is_not_private():
     assert [v["private"] for v in got.values()] == [True, False, False, False]
 
 
+def test_the_secure_aggregation_columns_are_classified_as_not_private():
+    from fedprivacy.fl.secure_aggregation import STAGES
+    from fedprivacy.outputs import metrics_columns
+
+    columns = ["secagg_aborted", "secagg_survivors", "secagg_integrity_refused",
+               *(f"secagg_failed_{stage.replace('-', '_')}" for stage in STAGES)]
+    got = metrics_columns(columns, "distributed")
+    assert all(not v["private"] and not v["meaning"].startswith("not classified") for v in got.values()), got
+
+
 def test_a_stream_that_does_not_describe_itself_is_named_with_no_strategy():
     from fedprivacy.outputs import noise_mechanism
     from fedprivacy.privacy.noise import GaussianNoise
