@@ -413,8 +413,8 @@ class PrivacyConfig(_Section):
     noise_cohort: int | None = Field(None, ge=1)
     """Large-cohort emulation (pfl-research's ``noise_cohort_size``): simulate ``expected_cohort``
     clients but add noise as for a cohort of ``noise_cohort`` (std on the sum ``z C m / M``). The
-    reported epsilon then refers to a DEPLOYMENT with that cohort and ``noise_population`` users,
-    never to this simulation."""
+    reported epsilon then refers to a DEPLOYMENT with that cohort and ``noise_population`` users (and, for the
+    cyclic schedules, the same ``groups``), never to this simulation. Works with every mechanism kind."""
     noise_population: int | None = Field(None, ge=1)
     """Population of the emulated deployment (default: the simulated population)."""
     noise_stream: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -444,9 +444,6 @@ class PrivacyConfig(_Section):
         if self.groups != 1 and not cyclic:
             raise ValueError(f"privacy.groups={self.groups} needs privacy.sampling: cyclic_poisson or min_separated, "
                              f"got {self.sampling!r}")
-        if cyclic and self.noise_cohort is not None:
-            raise ValueError(f"privacy.noise_cohort (emulation) needs privacy.sampling poisson or fixed, got "
-                             f"{self.sampling!r}")
         kind = self.mechanism.kind
         if self.secure_aggregation is not None:
             wrong = {name: value for name, value, ok in (

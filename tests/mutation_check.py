@@ -96,7 +96,12 @@ MUTATIONS = [
  ("fedprivacy/fl/population.py", "    twice = sorted(i for i, c in counts.items() if c > 1)\n", "    twice: list[int] = []\n", "tests/engine/test_participation_restart.py -k duplicated"),
  ("fedprivacy/fl/population.py", "    missing = [i for i in order if i not in counts]\n", "    missing: list[int] = []\n", "tests/engine/test_participation_restart.py -k in_order_keeps"),
  ("fedprivacy/fl/population.py", "    if isinstance(value, bool) or not isinstance(value, int) or value < 0:\n", "    if value is None:\n", "tests/engine/test_participation_restart.py -k reported_identity"),
+ # large-cohort emulation of cyclic schedules and correlated noise: the deployment's events, the scaled draw
+ ("fedprivacy/privacy/mechanism.py", "        schedule = self.sampler if self._claim_schedule is None else self._claim_schedule\n", "        schedule = self.sampler\n", "tests/privacy/test_correlated_noise.py -k emulation_accounts"),
+ ("fedprivacy/privacy/mechanism.py", "                and noise_cohort * groups > self.claim_population:", "                and False:", "tests/privacy/test_correlated_noise.py -k too_small_for_its_groups"),
+ ("fedprivacy/fl/server_app.py", "                                     noise_cohort=p.noise_cohort, noise_population=p.noise_population)", "                                     )", "tests/privacy/test_cohort_emulation.py -k calibrat"),
 ]
+
 for path, old, new, test in MUTATIONS:
     p = pathlib.Path(path)
     src = p.read_text()

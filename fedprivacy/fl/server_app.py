@@ -158,7 +158,8 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = 
     else:  # cyclic schedules, correlated mechanisms: the events the run's own mechanism will account
         def eps(z: float) -> float:
             planned = planned_ledger(z, cfg.rounds, expected_cohort=p.expected_cohort, population=population,
-                                     sampling=p.sampling, groups=p.groups, noise_stream=noise_stream_of(cfg))
+                                     sampling=p.sampling, groups=p.groups, noise_stream=noise_stream_of(cfg),
+                                     noise_cohort=p.noise_cohort, noise_population=p.noise_population)
             value = epsilon(planned, delta, p.budget_accountant)
             assert value is not None, "the config validator refuses an accountant that cannot account the run"
             return value

@@ -11,8 +11,10 @@ Round ``t`` (ARCHITECTURE "One round, in order", McMahan et al. 2018 Alg. 1; And
 ``z_v`` is the value noise multiplier on the SIMULATED sum: ``z`` itself, ``z m / M`` when emulating a
 deployment's cohort ``M`` (pfl-research's large-cohort emulation), inflated under adaptive clipping so
 that the value and the clipped-count releases compose to exactly ``z`` (Andrew et al. Thm. 1). The
-event is the sampler's (its sampling, the full population ``N``, ``m``) or the emulated deployment's
-(``M`` of ``N'``), always with noise multiplier ``z``. Because :meth:`event`, the draw in
+event is the sampler's (its sampling, the full population ``N``, ``m``) or the emulated deployment's: the
+same schedule (and ``b`` groups, for the cyclic ones) over ``N'`` users with cohort ``M``, always with noise
+multiplier ``z``. Emulation scales the whole draw, so it holds for any noise stream, correlated ones included:
+the deployment's average carries noise ``z C f_k / M`` and so does the simulation's (``z (m/M) C f_k / m``). Because :meth:`event`, the draw in
 :meth:`release` and :meth:`phi` read the same fields, they cannot disagree.
 
 The mechanism owns the dedicated noise generator and the cohort sampler: from the OS's cryptographic
@@ -45,7 +47,7 @@ from typing import Any, NamedTuple, get_args
 import numpy as np
 import torch
 
-from fedprivacy.privacy.accounting import (AccountantKind, GaussianRound, PrivacyLedger, epsilons,
+from fedprivacy.privacy.accounting import (AccountantKind, PrivacyLedger, epsilons,
                                            would_exceed)
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER, check_noise_std
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
@@ -127,14 +129,10 @@ class GaussianMechanism:
                  device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
                  groups: int = 1) -> None:
         _check_arguments(noise_multiplier, clip_norm, expected_cohort, placement)
-        if noise_stream is not GaussianNoise and (placement != "central" or adaptive is not None
-                                                  or noise_cohort is not None):
-            raise ValueError(f"noise_stream={stream_name(noise_stream)} needs placement='central', a fixed clip_norm and "
-                             f"no noise_cohort (got placement={placement!r}, adaptive clipping "
-                             f"{'on' if adaptive else 'off'}, noise_cohort={noise_cohort}): client shares and the clip "
-                             "count draw independent noise")
-        if noise_cohort is not None and sampling not in ("poisson", "fixed"):
-            raise ValueError(f"noise_cohort (large-cohort emulation) needs sampling 'poisson' or 'fixed', got {sampling!r}")
+        if noise_stream is not GaussianNoise and (placement != "central" or adaptive is not None):
+            raise ValueError(f"noise_stream={stream_name(noise_stream)} needs placement='central' and a fixed clip_norm "
+                             f"(got placement={placement!r}, adaptive clipping {'on' if adaptive else 'off'}): client "
+                             "shares and the clip count draw independent noise")
         self.noise_stream = noise_stream
         self.noise_multiplier = noise_multiplier
         self.expected_cohort = expected_cohort
@@ -155,6 +153,12 @@ class GaussianMechanism:
         self.release_log: ReleaseLog | None = None
         self.epoch = 0
         self._seed_generators()
+        if noise_cohort is not None and sampling in ("cyclic_poisson", "min_separated") \
+                and noise_cohort * groups > self.claim_population:
+            raise ValueError(f"privacy.noise_cohort={noise_cohort} times privacy.groups={groups} must be <= the emulated "
+                             f"population ({self.claim_population}): each of its groups yields one cohort")
+        self._claim_schedule = (None if noise_cohort is None else  # the emulated deployment's schedule: its events only
+                                make_sampler(sampling, self.claim_population, noise_cohort, 0, groups=groups))
         check = getattr(self.noise, "check_schedule", None)
         if check is not None:
             check(self.sampler.kind, self.sampler.separation)
@@ -189,9 +193,8 @@ class GaussianMechanism:
     def event_at(self, release: int) -> AccountedEvent:
         """What release ``release`` is accounted as: the noise stream's event (at the stream's number for it,
         :meth:`stream_release`) for the sampler's (or the emulated deployment's) event with noise multiplier ``z``."""
-        sampled = (self.sampler.round_event(self.noise_multiplier, release) if self.noise_cohort is None else
-                   GaussianRound(noise_multiplier=self.noise_multiplier, sampling=self.sampling,  # type: ignore[arg-type]
-                                 population=self.claim_population, expected_cohort=float(self.noise_cohort)))
+        schedule = self.sampler if self._claim_schedule is None else self._claim_schedule
+        sampled = schedule.round_event(self.noise_multiplier, release)
         return self.noise.event(sampled, self.stream_release(release))
 
     def could_log(self, release: int, event: AccountedEvent) -> bool:
@@ -332,9 +335,12 @@ class GaussianMechanism:
 
 def planned_ledger(noise_multiplier: float, releases: int, *, expected_cohort: int, population: int,
                    sampling: Schedule = "poisson", groups: int = 1,
-                   noise_stream: NoiseStreamFactory = GaussianNoise) -> PrivacyLedger:
+                   noise_stream: NoiseStreamFactory = GaussianNoise, noise_cohort: int | None = None,
+                   noise_population: int | None = None) -> PrivacyLedger:
     """The ledger of ``releases`` releases of a fresh central mechanism with these settings (what calibration and
-    ``fedprivacy epsilon`` account for cyclic schedules and correlated mechanisms)."""
+    ``fedprivacy epsilon`` account for cyclic schedules and correlated mechanisms; with ``noise_cohort``, those of
+    the emulated deployment)."""
     return GaussianMechanism(noise_multiplier=noise_multiplier, clip_norm=1.0, expected_cohort=expected_cohort,
                              population=population, sampling=sampling, seed=0, noise_stream=noise_stream,
-                             groups=groups).planned_ledger(releases)
+                             groups=groups, noise_cohort=noise_cohort,
+                             noise_population=noise_population).planned_ledger(releases)

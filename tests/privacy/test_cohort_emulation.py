@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from fedprivacy.config import ConfigError
-from fedprivacy.privacy.accounting import epsilon_for
+from fedprivacy.fl.server_app import resolve_noise_multiplier
+from fedprivacy.privacy.accounting import epsilon, epsilon_for
+from fedprivacy.privacy.mechanism import planned_ledger
+from fedprivacy.fl.server_app import noise_stream_of
 from fedprivacy.run import run
 
 
@@ -37,3 +40,15 @@ def test_plain_runs_claim_their_own_cohort(small_config):
 def test_inconsistent_emulation_settings_are_refused(small_config, overrides, field):
     with pytest.raises(ConfigError, match=field):
         small_config(*overrides)
+
+
+def test_auto_calibrates_an_emulated_correlated_deployment_to_its_own_budget(small_config):
+    """BandMF on cyclic Poisson, emulating 50 of 20,000 users per round: z is calibrated on the deployment's events."""
+    cfg = small_config("rounds=12", "privacy.noise_multiplier=auto", "privacy.target_epsilon=4",
+                       "privacy.accountants=[rdp]", "privacy.sampling=cyclic_poisson", "privacy.groups=4",
+                       "privacy.mechanism.kind=bandmf", "privacy.mechanism.bands=4", "privacy.expected_cohort=4",
+                       "privacy.noise_cohort=50", "privacy.noise_population=20000")
+    z = resolve_noise_multiplier(cfg, population=40).privacy.noise_multiplier
+    deployment = planned_ledger(z, 12, expected_cohort=50, population=20_000, sampling="cyclic_poisson", groups=4,
+                                noise_stream=noise_stream_of(cfg))
+    assert 0.99 * 4 <= epsilon(deployment, 1 / 20_000, "rdp") <= 4

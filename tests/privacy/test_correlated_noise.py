@@ -385,7 +385,6 @@ def test_cyclic_schedules_keep_every_users_participations_b_apart(kind):
     ({"sampling": "poisson", "groups": 1}, "needs privacy.sampling: min_separated or cyclic_poisson"),
     ({"sampling": "min_separated", "groups": 3}, "built for min separation 2"),
     ({"sampling": "min_separated", "placement": "distributed"}, "needs placement='central'"),
-    ({"sampling": "min_separated", "noise_cohort": 10}, "no noise_cohort"),
 ])
 def test_unsound_combinations_are_refused_in_one_line(kwargs, message):
     spec = CorrelatedMechanism(kind="tree", horizon=8, groups=2)
@@ -405,3 +404,35 @@ def test_bandmf_with_more_bands_than_the_separation_and_amplified_blt_are_refuse
         GaussianMechanism(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=40, seed=0,
                           sampling="min_separated", groups=4,
                           noise_stream=CorrelatedMechanism(kind="bandmf", horizon=8, groups=4, amplified=True))
+
+
+# -- large-cohort emulation ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("sampling", "spec"), [
+    ("cyclic_poisson", CorrelatedMechanism(kind="bandmf", horizon=12, groups=4, bands=4, amplified=True)),
+    ("min_separated", CorrelatedMechanism(kind="blt", horizon=12, groups=4, buffers=2)),
+    ("cyclic_poisson", GaussianNoise),
+])
+def test_emulation_accounts_the_deployments_schedule_and_scales_the_whole_correlated_draw(sampling, spec):
+    """Simulate m = 4 of 40 users per round; claim M = 40 of N' = 1000 with the same b = 4 groups: the events are the
+    deployment's own (a mechanism that samples 40 of 1000), the draws the deployment's times m / M."""
+    z, m, big_m, big_n, b = 1.3, 4, 40, 1000, 4
+    common = {"noise_multiplier": z, "clip_norm": 0.5, "sampling": sampling, "groups": b, "noise_stream": spec,
+              "seed": 7}
+    emulated = GaussianMechanism(expected_cohort=m, population=40, noise_cohort=big_m, noise_population=big_n,
+                                 **common)
+    deployment = GaussianMechanism(expected_cohort=big_m, population=big_n, **common)
+    assert emulated.planned_ledger(12).entries == deployment.planned_ledger(12).entries
+    assert planned_ledger(z, 12, expected_cohort=m, population=40, sampling=sampling, groups=b, noise_stream=spec,
+                          noise_cohort=big_m, noise_population=big_n).entries == deployment.planned_ledger(12).entries
+    plain = GaussianMechanism(expected_cohort=m, population=40, **common)  # same seed: the same stream of draws
+    for release in range(1, 6):
+        g = emulated.release(emulated.aggregator(1000), release).g
+        want = plain.release(plain.aggregator(1000), release).g * (m / big_m)
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-7)
+    assert emulated.ledger.entries == deployment.planned_ledger(5).entries
+
+
+def test_an_emulated_cyclic_deployment_too_small_for_its_groups_is_refused_naming_noise_cohort():
+    with pytest.raises(ValueError, match=r"privacy.noise_cohort=300 times privacy.groups=4 must be <= the emulated"):
+        GaussianMechanism(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=40, seed=0,
+                          sampling="cyclic_poisson", groups=4, noise_cohort=300, noise_population=1000)
