@@ -13,6 +13,8 @@ A Markdown file marks where each table goes:
     <!-- /table:NAME -->
     <!-- table:NAME:grid -->     every grid point
     <!-- /table:NAME:grid -->
+    <!-- table:NAME:verdict -->  per budget: which method is best, by how much, and whether that exceeds the seeds' spread
+    <!-- /table:NAME:verdict -->
 
 :func:`render_docs` regenerates every marked block from the summaries (``fedprivacy report --docs
 FILE...``), and ``fedprivacy report --docs FILE... --check`` (and the test suite) fails when a file
@@ -39,7 +41,7 @@ SUMMARY_VERSION = 1
 RUN_FIELDS = ("method", "budget", "budget_epsilon", "hparams", "seed", "rounds_completed", "noise_multiplier",
               "majority_baseline", "selection_score", *(f"epsilon_{k}" for k in ACCOUNTANTS))
 """Per-run fields of a stored summary (besides the final/best metric and the extra columns)."""
-MARKER = re.compile(r"<!-- table:(?P<name>[\w.-]+?)(?::(?P<kind>grid))? -->\n(?P<body>.*?)<!-- /table:(?P=name)"
+MARKER = re.compile(r"<!-- table:(?P<name>[\w.-]+?)(?::(?P<kind>grid|verdict))? -->\n(?P<body>.*?)<!-- /table:(?P=name)"
                     r"(?::(?P=kind))? -->", re.S)
 
 
@@ -153,6 +155,54 @@ def render_grid_table(s: StoredSummary) -> str:
     return _table(header, rows) + "\n\n" + f"Generated from `docs/results/{s.name}.json`; do not edit.\n"
 
 
+CLEAR_MARGIN = 2.0
+"""A difference of two methods' means is called clear when it exceeds this many standard errors of the
+difference over seeds, :math:`\sqrt{s_1^2/n_1 + s_2^2/n_2}` (sample stds :math:`s`, :math:`n` seeds each)."""
+
+
+def _standard_error(a: pd.Series, b: pd.Series, m: str) -> float:
+    """Standard error of the difference of two selected settings' mean ``final_m`` over seeds (NaN below 2 seeds)."""
+    if min(a["n_seeds"], b["n_seeds"]) < 2:
+        return math.nan
+    return math.sqrt(a[f"final_{m}_std"] ** 2 / a["n_seeds"] + b[f"final_{m}_std"] ** 2 / b["n_seeds"])
+
+
+def render_verdict_table(s: StoredSummary, reference: str | None = None) -> str:
+    """Per budget, the question a comparison asks: the best method (largest mean final metric of its selected
+    setting; smallest for a loss), its margin over the runner-up and over ``reference`` (default: the study's first
+    method) with the standard error of each difference over seeds, whether the margin is clear
+    (:data:`CLEAR_MARGIN` standard errors), and how far the best is above the majority baseline."""
+    summ, m = s.summary(), s.metric
+    sign = -1.0 if s.selection["mode"] == "min" and m.endswith("loss") else 1.0
+    reference = reference if reference is not None else (summ["method"].iloc[0] if len(summ) else "")
+
+    def versus(best: pd.Series, other: pd.Series | None) -> tuple[str, str]:
+        if other is None:
+            return "-", "-"
+        margin = sign * (best[f"final_{m}_mean"] - other[f"final_{m}_mean"])
+        se = _standard_error(best, other, m)
+        verdict = ("unknown (one seed)" if math.isnan(se) else
+                   "clear" if margin > CLEAR_MARGIN * se else "within the seeds' spread")
+        return f"{other['method']}: +{_num(margin)}" + ("" if math.isnan(se) else f" (se {_num(se)})"), verdict
+
+    rows = []
+    for budget in dict.fromkeys(summ["budget"]):
+        cells = summ[summ["budget"] == budget].sort_values(f"final_{m}_mean", ascending=sign < 0, kind="stable")
+        best = cells.iloc[0]
+        runner = versus(best, cells.iloc[1] if len(cells) > 1 else None)
+        ref = cells[cells["method"] == reference]
+        vs_ref = versus(best, ref.iloc[0]) if len(ref) and ref.iloc[0]["method"] != best["method"] else ("-", "-")
+        above = sign * (best[f"final_{m}_mean"] - best["majority_baseline"])
+        rows.append([budget, best["method"], _pm(best[f"final_{m}_mean"], best[f"final_{m}_std"]),
+                     runner[0], runner[1], vs_ref[0], vs_ref[1], _num(above)])
+    header = ["budget", "best method", f"final {m}", "runner-up: margin", "margin vs runner-up",
+              f"{reference}: margin", f"margin vs {reference}", "above majority baseline"]
+    foot = (f"Generated from `docs/results/{s.name}.json` by `fedprivacy report --docs`; do not edit. Each method at "
+            f"its selected setting (the table `{s.name}`); a margin is clear when it exceeds {CLEAR_MARGIN:g} standard "
+            "errors of the difference over seeds (se = sqrt(s1^2/n1 + s2^2/n2), sample stds).")
+    return _table(header, rows) + "\n\n" + foot + "\n"
+
+
 def render_docs(text: str, results_dir: str | Path) -> str:
     """``text`` with every marked table block regenerated from the summaries in ``results_dir``."""
     results_dir = Path(results_dir)
@@ -163,7 +213,7 @@ def render_docs(text: str, results_dir: str | Path) -> str:
         if not path.exists():
             raise DocsTableError(f"table {name!r}: no stored summary {path}")
         s = load_summary(path)
-        body = render_grid_table(s) if kind == "grid" else render_summary_table(s)
+        body = {"grid": render_grid_table, "verdict": render_verdict_table}.get(kind, render_summary_table)(s)
         tag = name + (f":{kind}" if kind else "")
         return f"<!-- table:{tag} -->\n{body}<!-- /table:{tag} -->"
 

@@ -125,3 +125,48 @@ def test_selection_on_heldout_users_uses_the_final_models_heldout_accuracy(tiny_
     assert "held-out users" in report.read_text()
     assert held.features.shape[0] > 0 and not math.isnan(r.summary["selection_score_mean"].iloc[0])
     assert np.isfinite(r.summary["final_test_accuracy_mean"]).all()
+
+
+def _verdict_summary(tmp_path: Path, finals: dict[tuple[str, str], list[float]]) -> Path:
+    """A stored summary with one setting per method and budget and the given final metric per seed."""
+    runs = [{"method": method, "budget": budget, "budget_epsilon": 8.0, "hparams": "-", "seed": seed,
+             "rounds_completed": 10, "noise_multiplier": 0.5, "majority_baseline": 0.2, "selection_score": value,
+             "epsilon_rdp": 8.0, "epsilon_prv": 7.0, "epsilon_pld": 7.0, "final_test_recall_at_5": value,
+             "best_test_recall_at_5": value}
+            for (method, budget), values in finals.items() for seed, value in enumerate(values)]
+    payload = {"version": 1, "study": "v", "metric": "test_recall_at_5", "columns": [], "runs": runs,
+               "selection": {"metric": "heldout_recall_at_5", "mode": "max", "at": "final", "split": "heldout",
+                             "heldout_clients": None}}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_the_verdict_names_the_best_method_its_margins_and_whether_they_exceed_the_seed_spread(tmp_path):
+    from fedprivacy.experiments.docs import render_verdict_table
+
+    path = _verdict_summary(tmp_path, {("DP-FedAvg", "eps8"): [0.30, 0.32], ("Adagrad", "eps8"): [0.40, 0.42],
+                                       ("Adam", "eps8"): [0.39, 0.43], ("DP-FedAvg", "eps1"): [0.25, 0.27],
+                                       ("Adagrad", "eps1"): [0.24, 0.30]})
+    rows = [line.split(" | ") for line in render_verdict_table(load_summary(path)).splitlines()
+            if line.startswith("| eps")]
+    eps8, eps1 = rows
+    # eps8: Adagrad 0.41 vs Adam 0.41 (margin 0.000, within the spread), vs DP-FedAvg 0.31: +0.100, se 0.01414 -> clear
+    assert eps8[1] == "Adagrad" and eps8[2] == "0.410 ± 0.014"
+    assert eps8[3].startswith("Adam: +0.000") and eps8[4] == "within the seeds' spread"
+    assert eps8[5] == "DP-FedAvg: +0.100 (se 0.014)" and eps8[6] == "clear"
+    assert eps8[7].rstrip(" |") == "0.210"
+    # eps1: Adagrad 0.27 vs DP-FedAvg 0.26: +0.010 against se sqrt(0.0424^2/2 + 0.0141^2/2) = 0.0316 -> not clear
+    assert eps1[1] == "Adagrad" and eps1[4] == "within the seeds' spread" == eps1[6]
+    assert eps1[3] == eps1[5] == "DP-FedAvg: +0.010 (se 0.032)"  # the runner-up is the reference
+    one_seed = _verdict_summary(tmp_path, {("A", "eps8"): [0.5], ("B", "eps8"): [0.1]})
+    assert "unknown (one seed)" in render_verdict_table(load_summary(one_seed))
+
+
+def test_a_verdict_block_is_rendered_and_checked_like_the_other_tables(tmp_path):
+    _verdict_summary(tmp_path, {("A", "eps8"): [0.5, 0.52], ("B", "eps8"): [0.1, 0.12]})
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- table:v:verdict -->\nstale\n<!-- /table:v:verdict -->\n")
+    assert marked_tables(doc.read_text()) == ["v:verdict"]
+    assert stale_tables(doc, tmp_path) == ["v:verdict"]
+    assert "| eps8 | A | 0.510 ± 0.014 | B: +0.400 (se 0.014) | clear |" in render_docs(doc.read_text(), tmp_path)
