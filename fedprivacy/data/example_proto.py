@@ -17,7 +17,7 @@ Only the messages needed for ``tf.train.Example`` are reproduced
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Union
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
@@ -168,11 +168,16 @@ def encode_example(features: Mapping[str, FeatureValue]) -> bytes:
     return example.SerializeToString(deterministic=True)
 
 
-def decode_example(blob: bytes) -> dict[str, list]:
+def decode_example(blob: bytes, features: Collection[str] | None = None) -> dict[str, list]:
     """Parses a serialized ``tf.train.Example``.
 
     Args:
         blob: The serialized proto.
+        features: Return only these features (those of them the example has); ``None``: all.
+            The whole blob is parsed and checked either way, so a blob is refused or accepted
+            alike, and each returned feature equals the full decode's: only the conversion of
+            the others to Python lists is skipped (for the tag task, 3 of the 6 StackOverflow
+            features: about a quarter of the full decode's time).
 
     Returns:
         Feature name to list of values: ``bytes`` for a ``bytes_list``, ``int``
@@ -187,8 +192,11 @@ def decode_example(blob: bytes) -> dict[str, list]:
         example.ParseFromString(blob)
     except (message.DecodeError, TypeError) as err:
         raise ValueError(f"not a serialized tf.train.Example ({len(blob)} bytes): {err}") from err
+    feature_map = example.features.feature
+    names = feature_map.keys() if features is None else [name for name in features if name in feature_map]
     decoded: dict[str, list] = {}
-    for name, feature in example.features.feature.items():
+    for name in names:
+        feature = feature_map[name]
         kind = feature.WhichOneof("kind")
         decoded[name] = [] if kind is None else list(getattr(feature, kind).value)
     return decoded

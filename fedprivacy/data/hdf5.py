@@ -23,7 +23,7 @@ References: TFF ``tensorflow_federated/python/simulation/hdf5_client_data.py`` a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import h5py
@@ -117,8 +117,10 @@ def _column(path: Path, client: str, name: str, member: object) -> list:
                           "integers or floats)")
 
 
-def _client_examples(path: Path, client: str, group: object) -> list[dict[str, list]]:
-    """All posts of one client group, as ``{feature: [value]}`` dicts."""
+def _client_examples(path: Path, client: str, group: object,
+                     features: Collection[str] | None = None) -> list[dict[str, list]]:
+    """All posts of one client group, as ``{feature: [value]}`` dicts of ``features`` (``None``: all;
+    every dataset is read and checked either way)."""
     if not isinstance(group, h5py.Group):
         raise DataFormatError(f"{path}: '/{EXAMPLES_GROUP}/{client}' is not a group")
     columns = {name: _column(path, client, name, member)
@@ -128,11 +130,12 @@ def _client_examples(path: Path, client: str, group: object) -> list[dict[str, l
         raise DataFormatError(f"{path}: client {client!r}: feature datasets differ in length "
                               f"{lengths}")
     n = next(iter(lengths.values()), 0)
-    return [{name: [values[i]] for name, values in columns.items()} for i in range(n)]
+    kept = {name: values for name, values in columns.items() if features is None or name in features}
+    return [{name: [values[i]] for name, values in kept.items()} for i in range(n)]
 
 
 def iter_h5_client_examples(path: str | Path, client_ids: Iterable[str] | None = None,
-                            *, allow_empty: bool = False
+                            *, allow_empty: bool = False, features: Collection[str] | None = None
                             ) -> Iterator[tuple[str, list[dict[str, list]]]]:
     """Streams the clients of one split file and their posts.
 
@@ -140,6 +143,8 @@ def iter_h5_client_examples(path: str | Path, client_ids: Iterable[str] | None =
         path: ``stackoverflow_{train,held_out,test}.h5`` (TFF's or synthetic).
         client_ids: Clients to read (any order, duplicates ignored); ``None`` reads all.
         allow_empty: Yield ``[]`` for a client without posts instead of raising.
+        features: Keep only these features of each post (``None``: all); every dataset is
+            still read and checked.
 
     Yields:
         ``(client_id, examples)`` in sorted client-id order; examples in dataset order, each
@@ -160,7 +165,7 @@ def iter_h5_client_examples(path: str | Path, client_ids: Iterable[str] | None =
             raise ValueError(f"{path}: {len(unknown)} client id(s) not in the file, "
                              f"e.g. {unknown[:5]}")
         for client in wanted:
-            examples = _client_examples(path, client, group[client])
+            examples = _client_examples(path, client, group[client], features)
             if not examples and not allow_empty:
                 raise DataFormatError(f"{path}: client {client!r} has no examples")
             yield client, examples

@@ -17,7 +17,7 @@ middle without changing size or mtime goes unnoticed; every ordinary rewrite cha
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -96,14 +96,15 @@ class ExampleSource:
         return hdf5.h5_client_ids(self.split_file(split))
 
     def iter_client_examples(self, split: str, client_ids: Iterable[str] | None = None, *,
-                             allow_empty: bool = False
+                             allow_empty: bool = False, features: Collection[str] | None = None
                              ) -> Iterator[tuple[str, list[dict[str, list]]]]:
-        """Streams ``(client_id, examples)`` of ``split`` in sorted client-id order."""
+        """Streams ``(client_id, examples)`` of ``split`` in sorted client-id order, each example
+        holding only ``features`` (``None``: all; every example is still read and checked in full)."""
         if self.sqlite is not None:
             return stackoverflow.iter_client_examples(self.sqlite, split, client_ids,
-                                                      allow_empty=allow_empty)
+                                                      allow_empty=allow_empty, features=features)
         return hdf5.iter_h5_client_examples(self.split_file(split), client_ids,
-                                            allow_empty=allow_empty)
+                                            allow_empty=allow_empty, features=features)
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Per split: its file, number of clients, examples, and clients without examples."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -230,7 +230,8 @@ def _rows(connection: sqlite3.Connection, split: str, ids: list[str] | None
 
 
 def iter_client_examples(sqlite_path: str | Path, split: str,
-                         client_ids: Iterable[str] | None = None, *, allow_empty: bool = False
+                         client_ids: Iterable[str] | None = None, *, allow_empty: bool = False,
+                         features: Collection[str] | None = None
                          ) -> Iterator[tuple[str, list[dict[str, list]]]]:
     """Streams clients and their decoded examples.
 
@@ -241,6 +242,8 @@ def iter_client_examples(sqlite_path: str | Path, split: str,
             reads every client of the split.
         allow_empty: Yield ``[]`` for a client listed in ``client_metadata``
             without rows instead of raising.
+        features: Keep only these features of each example (``None``: all); every row is
+            still parsed and checked in full (:func:`~fedprivacy.data.example_proto.decode_example`).
 
     Yields:
         ``(client_id, examples)`` in sorted client-id order, one client at a
@@ -273,7 +276,7 @@ def iter_client_examples(sqlite_path: str | Path, split: str,
                 while pending is not None and pending[0] <= client:
                     if pending[0] == client:
                         try:
-                            examples.append(decode_example(pending[2]))
+                            examples.append(decode_example(pending[2], features))
                         except ValueError as err:
                             raise DataFormatError(f"{path}: client {client!r}, row "
                                                   f"{pending[1]}: {err}") from err

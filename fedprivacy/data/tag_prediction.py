@@ -43,6 +43,9 @@ __all__ = ["FederatedTagData", "load_tag_prediction"]
 
 NoTag = Literal["label0", "drop"]
 
+_FEATURES = ("tokens", "title", "tags")
+"""The features a post's row is made of (the others are read and checked, not converted)."""
+
 
 @dataclass(frozen=True)
 class FederatedTagData:
@@ -175,7 +178,7 @@ def iter_tag_rows(source: ExampleSource, word_count_path: str | Path,
     if max_clients is not None:
         wanted = source.client_ids(split)[:max_clients]
     where = source.split_file(split)
-    for client, examples in source.iter_client_examples(split, wanted):
+    for client, examples in source.iter_client_examples(split, wanted, features=_FEATURES):
         yield client, _client_rows(examples, word_index, tag_index, no_tag,
                                    f"{where}: client {client!r}")
 

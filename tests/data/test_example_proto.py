@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedprivacy.data.example_proto import decode_example, encode_example
 
@@ -83,3 +85,55 @@ def test_encode_error_names_the_feature() -> None:
 def test_decode_rejects_garbage_with_clear_message(blob: bytes) -> None:
     with pytest.raises(ValueError, match="tf.train.Example"):
         decode_example(blob)
+
+
+# --- decoding a subset of the features: same acceptance, same values ------------------------------
+
+_NAMES = st.sampled_from(["tokens", "title", "tags", "score", "a", ""])
+_VALUES = st.one_of(st.binary(max_size=8), st.text(max_size=8), st.integers(-(2**63), 2**63 - 1),
+                    st.floats(width=32, allow_nan=False),
+                    st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=3),
+                    st.lists(st.binary(max_size=4), min_size=1, max_size=3))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _crafted(valid: bytes, cut: int, tag: int, length: int, junk: bytes) -> list[bytes]:
+    """Damaged variants of a valid blob: truncated, a field of the wrong wire type or a lying length
+    appended (at the Example and at the Features level), a truncated varint, raw junk."""
+    inner = valid[2:] if len(valid) > 1 and valid[1] < 0x80 else b""
+    return [valid[:cut], valid + bytes([tag]) + junk,
+            valid + b"\x0a" + _varint(length) + junk,  # length-delimited field 1 claiming `length` bytes
+            b"\x0a" + _varint(len(inner) + 2) + inner + b"\x0a\x80",  # Features entry with a truncated varint
+            b"\x0a" + _varint(len(inner) + 3) + inner + bytes([0x08 | (tag & 7)]) + junk[:1],  # wrong wire type
+            junk]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_NAMES, _VALUES, max_size=5), st.lists(_NAMES, max_size=4),
+       st.integers(0, 40), st.integers(0, 255), st.integers(0, 300), st.binary(max_size=12))
+def test_decoding_a_subset_equals_the_full_decode_restricted(features, wanted, cut, tag, length, junk):
+    """``decode_example(blob, names)`` refuses exactly the blobs the full decode refuses and otherwise
+    returns the full decode's values of the names present, on valid and crafted (truncated, wrong wire
+    type, lying length, truncated varint) blobs."""
+    valid = encode_example(features) if features else b""
+    for blob in [valid, *_crafted(valid, cut, tag, length, junk)]:
+        try:
+            full = decode_example(blob)
+        except ValueError:
+            with pytest.raises(ValueError, match="tf.train.Example"):
+                decode_example(blob, wanted)
+            continue
+        assert decode_example(blob, wanted) == {name: full[name] for name in wanted if name in full}
+
+
+def test_decoding_a_subset_keeps_only_the_named_features() -> None:
+    assert decode_example(EXPECTED, ["c", "a", "missing"]) == {"c": [1.0], "a": [1]}
+    assert decode_example(EXPECTED, []) == {}

@@ -41,6 +41,17 @@ def test_sqlite_and_h5_hold_identical_clients_and_examples(so_files: SyntheticFi
         assert list(sqlite.iter_client_examples(split)) == list(h5.iter_client_examples(split))
 
 
+def test_both_formats_stream_exactly_the_named_features(so_files: SyntheticFiles,
+                                                        so_h5_files: SyntheticFiles) -> None:
+    """``features=`` keeps the full stream's values of those features and drops the others, in both formats."""
+    names = ("tags", "tokens", "absent")
+    for source in (open_source("tff-sqlite", so_files.sqlite), open_source("tff-h5", so_h5_files.h5["train"].parent)):
+        full = list(source.iter_client_examples("test"))
+        assert list(source.iter_client_examples("test", features=names)) == [
+            (client, [{k: e[k] for k in names if k in e} for e in examples]) for client, examples in full]
+        assert {k for _, examples in full for e in examples for k in e} > {"tags", "tokens"}
+
+
 def test_h5_subset_and_unknown_client(so_h5_files: SyntheticFiles) -> None:
     path = so_h5_files.h5["test"]
     ids = h5_client_ids(path)

@@ -107,3 +107,20 @@ def test_flower_without_replacement_takes_z_relative_to_c_not_2c():
                   orders=OPACUS_ORDERS)
     assert eps == pytest.approx(flower_epsilon(m, n, z / 2, steps, delta, **kwargs), rel=1e-12)
     assert flower_epsilon(m, n, z, steps, delta, **kwargs) < 0.5 * eps
+
+
+QUICKSTART = GaussianRound(1.0, "poisson", 1000, 100)  # configs/quickstart.yaml: q = 100 / 1000, z = 1
+
+
+@pytest.mark.parametrize("entries", [
+    [(QUICKSTART, t)] for t in (1, 2, 5, 17, 40)] + [
+    [(QUICKSTART, 3), (GaussianRound(0.7, "poisson", 1000, 50), 5), (QUICKSTART, 2)],  # heterogeneous, in order
+    [(GaussianRound(2.0, "none", 1, 1), 3)],  # q = 1
+    [(GaussianRound(1.0, "poisson", 342_477, 100), 1500)],  # StackOverflow federated setting
+])
+def test_prv_is_bit_for_bit_opacus_prv_accountant(entries):
+    """The PRV domain sized from the memoized RDP vectors gives exactly Opacus' epsilon (not merely close)."""
+    delta = 1e-3
+    reference = PRVAccountant()
+    reference.history = [(rnd.noise_multiplier, rnd.q, count) for rnd, count in entries]
+    assert epsilon(entries, delta, "prv") == reference.get_epsilon(delta, eps_error=PRV_EPS_ERROR)
