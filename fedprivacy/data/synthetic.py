@@ -395,9 +395,43 @@ class _Block:
         return blobs
 
 
-def _block(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: int,
-           time_range: tuple[int, int], p_answer: float) -> _Block:
-    """Generates ``n`` examples (sentences) of one user, oldest post first."""
+@dataclass(frozen=True)
+class _Draws:
+    """The random draws of one user's block, before any string is built.
+
+    Posts ``p = 0..num_posts-1``; sentence (example) ``j`` belongs to post ``post_of[j]`` and has
+    ``sentence_len[j]`` words; the words of all sentences are ``tokens`` (word ids, background
+    frequency ranks), those of all titles ``title`` (``title_len[p]`` per post); post ``p``'s tags
+    are ``tag_ids[tag_offsets[p]:tag_offsets[p + 1]]`` (distinct, in drawn order).
+    """
+
+    post_of: np.ndarray
+    times: np.ndarray
+    answer: np.ndarray
+    score: np.ndarray
+    tag_ids: np.ndarray
+    tag_offsets: np.ndarray
+    sentence_len: np.ndarray
+    title_len: np.ndarray
+    tokens: np.ndarray
+    title: np.ndarray
+
+    @property
+    def num_posts(self) -> int:
+        return len(self.title_len)
+
+    def example_tags(self) -> np.ndarray:
+        """Tag ids of each example's tags, example after example (what the tag counts count)."""
+        per_post = np.diff(self.tag_offsets)
+        first = np.repeat(self.tag_offsets[self.post_of], per_post[self.post_of])
+        within = np.arange(len(first)) - np.repeat(np.cumsum(per_post[self.post_of]) - per_post[self.post_of],
+                                                   per_post[self.post_of])
+        return self.tag_ids[first + within]
+
+
+def _draw_block(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: int,
+                time_range: tuple[int, int], p_answer: float) -> _Draws:
+    """Draws ``n`` examples (sentences) of one user, oldest post first."""
     # Posts until n sentences; the last post keeps only the sentences needed.
     num_posts = int(n / (1 + _SENTENCES_PER_POST)) + 1
     while True:
@@ -437,27 +471,32 @@ def _block(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: i
                          _TOPIC_SHARE["tokens"], tag_ids, tag_offsets)
     title = _draw_words(rng, world, world.title_cdf, np.repeat(np.arange(num_posts), title_len),
                         _TOPIC_SHARE["title"], tag_ids, tag_offsets)
+    return _Draws(post_of, times, answer, score, tag_ids, tag_offsets, sentence_len, title_len,
+                  tokens, title)
 
-    token_words, title_words = world.words[tokens].tolist(), world.words[title].tolist()
-    sentence_ends, title_ends = np.cumsum(sentence_len).tolist(), np.cumsum(title_len).tolist()
-    tag_names = world.tags[tag_ids].tolist()
-    tag_ends = tag_offsets.tolist()
-    dates = np.datetime_as_string(times.astype("datetime64[s]"))
+
+def _render(world: _World, draws: _Draws) -> _Block:
+    """The examples of drawn block as strings: words and tags by name, dates as TFF writes them."""
+    num_posts = draws.num_posts
+    token_words, title_words = world.words[draws.tokens].tolist(), world.words[draws.title].tolist()
+    sentence_ends = np.cumsum(draws.sentence_len).tolist()
+    title_ends = np.cumsum(draws.title_len).tolist()
+    tag_names = world.tags[draws.tag_ids].tolist()
+    tag_ends = draws.tag_offsets.tolist()
+    dates = np.datetime_as_string(draws.times.astype("datetime64[s]"))
     post_columns = {
         "creation_date": [f"{date.replace('T', ' ')} UTC" for date in dates],
-        "score": score.tolist(),
+        "score": draws.score.tolist(),
         "tags": ["|".join(tag_names[tag_ends[i]:tag_ends[i + 1]]) for i in range(num_posts)],
         "title": [" ".join(title_words[a:b]) for a, b in zip([0, *title_ends], title_ends)],
-        "type": ["answer" if a else "question" for a in answer.tolist()],
+        "type": ["answer" if a else "question" for a in draws.answer.tolist()],
     }
     sentences = [" ".join(token_words[a:b]) for a, b in zip([0, *sentence_ends], sentence_ends)]
-    example_tags = np.concatenate([tag_ids[tag_offsets[p]:tag_offsets[p + 1]]
-                                   for p in post_of.tolist()]) if n else tag_ids[:0]
-    return _Block(post_columns, sentences, post_of, tokens, example_tags)
+    return _Block(post_columns, sentences, draws.post_of, draws.tokens, draws.example_tags())
 
 
-def _user_splits(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tuple[str, _Block]]:
-    """All examples of one user, grouped by split."""
+def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tuple[str, _Draws]]:
+    """The draws of all examples of one user, grouped by split (a pure function of its arguments)."""
     rng = np.random.default_rng([seed, 1, user])
     n_favourites = 1 + min(int(rng.poisson(1.2)), 4)
     favourites = np.unique(_sample(world.tag_cdf, rng.random(n_favourites)))
@@ -467,13 +506,18 @@ def _user_splits(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tup
     in_test = rng.random() < _TEST_USER_SHARE or user == 1  # user 1 (the first train user): every split exists
     n_test = max(1, int(rng.binomial(n, rng.beta(*_TEST_SHARE_BETA)))) if in_test else 0
     if user % 10 == 0:
-        return [("heldout", _block(rng, world, favourites, n + n_test, (start, _DATES["end"]),
-                                   p_answer))]
-    splits = [("train", _block(rng, world, favourites, n, (start, _DATES["test"]), p_answer))]
+        return [("heldout", _draw_block(rng, world, favourites, n + n_test, (start, _DATES["end"]),
+                                        p_answer))]
+    splits = [("train", _draw_block(rng, world, favourites, n, (start, _DATES["test"]), p_answer))]
     if n_test:
-        splits.append(("test", _block(rng, world, favourites, n_test,
-                                      (_DATES["test"], _DATES["end"]), p_answer)))
+        splits.append(("test", _draw_block(rng, world, favourites, n_test,
+                                           (_DATES["test"], _DATES["end"]), p_answer)))
     return splits
+
+
+def _user_splits(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tuple[str, _Block]]:
+    """All examples of one user, grouped by split, rendered to strings."""
+    return [(split, _render(world, draws)) for split, draws in _user_draws(seed, user, world, sizes)]
 
 
 class _Writer:
@@ -498,6 +542,13 @@ class _Writer:
                                          self._metadata)
         self._examples.clear()
         self._metadata.clear()
+
+
+def _add_counts(word_counts: np.ndarray, tag_counts: np.ndarray, token_ids: np.ndarray,
+                example_tags: np.ndarray) -> None:
+    """Adds one train block to the counts: word occurrences in ``tokens``, examples carrying each tag."""
+    word_counts += np.bincount(token_ids, minlength=VOCAB_SIZE)
+    tag_counts += np.bincount(example_tags, minlength=NUM_TAGS)
 
 
 def _write_counts(world: _World, word_counts: np.ndarray, tag_counts: np.ndarray,
@@ -577,8 +628,7 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
             for split, block in _user_splits(seed, user, world, sizes):
                 add(split, f"{user:0{width}d}", block)
                 if split == "train":
-                    word_counts[:] += np.bincount(block.token_ids, minlength=VOCAB_SIZE)
-                    tag_counts[:] += np.bincount(block.tag_ids, minlength=NUM_TAGS)
+                    _add_counts(word_counts, tag_counts, block.token_ids, block.tag_ids)
 
     if files.sqlite is not None:
         connection = sqlite3.connect(partial[files.sqlite])
