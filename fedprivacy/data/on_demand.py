@@ -48,7 +48,7 @@ from fedprivacy.data.synthetic import (NUM_TAGS, TAG_COUNT_NAME, VOCAB_SIZE, WOR
                                        _Draws, _sizes, _user_draws, _world, _write_counts)
 from fedprivacy.data.tag_prediction import FederatedTagData, NoTag, _ClientRows, assemble
 
-__all__ = ["COUNT_SAMPLE_USERS", "OnDemandPopulation", "TagRows", "OnDemandTags", "count_files"]
+__all__ = ["COUNT_SAMPLE_USERS", "OnDemandPopulation", "TagRows", "OnDemandTags", "count_files", "count_paths"]
 
 COUNT_SAMPLE_USERS = 10_000
 """Train users whose examples define the vocabulary (all of them in a population this small or smaller)."""
@@ -105,17 +105,24 @@ class OnDemandPopulation:
                 "max_examples": self.max_examples, "count_users": min(self.num_clients, COUNT_SAMPLE_USERS)}
 
 
+def count_paths(population: OnDemandPopulation, root: Path) -> tuple[Path, Path]:
+    """Where :func:`count_files` keeps the population's two count files under ``root``."""
+    p = population
+    folder = Path(root) / (f"on-demand-seed{p.seed}-users{min(p.num_clients, COUNT_SAMPLE_USERS)}-sizes"
+                           f"{p.min_examples}-{p.mean_examples:g}-{p.max_examples}")
+    return folder / WORD_COUNT_NAME, folder / TAG_COUNT_NAME
+
+
 def count_files(population: OnDemandPopulation, root: Path) -> tuple[Path, Path]:
     """``stackoverflow.word_count`` and ``stackoverflow.tag_count`` of the population's first
     ``min(num_clients, COUNT_SAMPLE_USERS)`` train users, written once under ``root`` (in a folder
     named for the seed, the sizes and the users counted) and reused afterwards."""
-    counted = min(population.num_clients, COUNT_SAMPLE_USERS)
     p = population
-    folder = Path(root) / (f"on-demand-seed{p.seed}-users{counted}-sizes{p.min_examples}-{p.mean_examples:g}-"
-                           f"{p.max_examples}")
-    words, tags = folder / WORD_COUNT_NAME, folder / TAG_COUNT_NAME
+    counted = min(p.num_clients, COUNT_SAMPLE_USERS)
+    words, tags = count_paths(p, root)
     if words.is_file() and tags.is_file():
         return words, tags
+    folder = words.parent
     folder.mkdir(parents=True, exist_ok=True)
     word_counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
     tag_counts = np.zeros(NUM_TAGS, dtype=np.int64)
