@@ -221,7 +221,9 @@ class OnDemandTags:
     ``client(i)`` is train user ``i``'s :class:`FederatedTagData` (one client; at most its first
     ``max_examples_per_client`` posts). ``prefetch(clients)`` starts generating those clients in a
     background thread; ``client`` then takes the prefetched result (identical, the users being
-    deterministic). At most the last two prefetched cohorts are held.
+    deterministic). At most the last two prefetched cohorts are held. A forked worker process
+    (``processes > 1``) starts with an empty queue and its own thread; the grid's process prefetches
+    the whole cohort, including the clients its workers then generate themselves.
     """
 
     def __init__(self, population: OnDemandPopulation, rows: TagRows, *, num_clients: int,
@@ -230,8 +232,15 @@ class OnDemandTags:
         self.num_clients = num_clients
         self.vocab_size, self.num_tags = rows.vocab_size, rows.num_tags
         self.max_examples_per_client = max_examples_per_client
+        self._pid = -1
         self._pending: dict[int, Future] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="on-demand-users")
+
+    def _queue(self) -> dict[int, Future]:
+        """The prefetched clients of THIS process (a forked worker starts with none and its own thread)."""
+        if self._pid != os.getpid():
+            self._pid, self._pending = os.getpid(), {}
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="on-demand-users")
+        return self._pending
 
     def _generate(self, client: int) -> FederatedTagData:
         if not 0 <= client < self.num_clients:
@@ -248,16 +257,17 @@ class OnDemandTags:
 
     def client(self, client: int) -> FederatedTagData:
         """Client ``client``'s rows (prefetched if :meth:`prefetch` asked for them)."""
-        future = self._pending.pop(client, None)
+        future = self._queue().pop(client, None)
         return future.result() if future is not None else self._generate(client)
 
     def prefetch(self, clients: Sequence[int]) -> None:
         """Generate these clients ahead, in a background thread."""
+        pending = self._queue()
         for c in clients:
-            if c not in self._pending:
-                self._pending[c] = self._executor.submit(self._generate, c)
-        while len(self._pending) > 2 * max(len(clients), 1):
-            self._pending.pop(next(iter(self._pending))).cancel()
+            if c not in pending:
+                pending[c] = self._executor.submit(self._generate, c)
+        while len(pending) > 2 * max(len(clients), 1):
+            pending.pop(next(iter(pending))).cancel()
 
     def split(self, split: str, *, first_users: int | None = None,
               max_examples: int | None = None) -> FederatedTagData:
