@@ -10,9 +10,7 @@ Two measurements, printed as JSON lines:
   folder and output folder) of a short run, 3 rounds, cohort 100, ``tag_multilabel``, 1 epoch of
   batch 100, at populations 10,000 and 342,477, interleaved, each in a fresh process; the count
   files (shared by both populations: both count the first 10,000 train users) are written before
-  the measured runs. Then the ratio 342,477 / 10,000 of the medians. A third run per repeat, at
-  342,477 without ``task.prefetch`` (clients generated when asked for, in the round's thread),
-  gives the round seconds without the background generation.
+  the measured runs. Then the ratio 342,477 / 10,000 of the medians.
 
 Run from the repository root: ``python benchmarks/on_demand_population.py [--repeats 2]``.
 """
@@ -48,19 +46,16 @@ def _config(folder: Path, population: int):
         "privacy": {"clip_norm": 10.0, "noise_multiplier": 1.0, "expected_cohort": 100, "accountants": ["rdp"]}})
 
 
-def run_once(folder: Path, population: int, prefetch: bool) -> dict:
+def run_once(folder: Path, population: int) -> dict:
     """One short run in this process; its peak RSS, wall time, round seconds and the disk it leaves."""
     import pandas as pd
 
-    from fedprivacy.data.on_demand import OnDemandTags
     from fedprivacy.run import run
 
-    if not prefetch:
-        OnDemandTags.prefetch = lambda self, clients: None
     cfg = _config(folder, population)
     started = time.perf_counter()
     run(cfg)
-    return {"population": population, "prefetch": prefetch,
+    return {"population": population,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "wall_s": round(time.perf_counter() - started, 1),
             "round_s": [round(x, 2) for x in pd.read_csv(cfg.output_dir / "metrics.csv")["seconds"]],
@@ -99,10 +94,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--users", type=int, default=300)
-    parser.add_argument("--child", nargs=3, metavar=("FOLDER", "POPULATION", "PREFETCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, metavar=("FOLDER", "POPULATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_once(Path(args.child[0]), int(args.child[1]), args.child[2] == "1")))
+        print(json.dumps(run_once(Path(args.child[0]), int(args.child[1]))))
         return
     print(json.dumps(generation(args.users, args.repeats)), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,11 +108,10 @@ def main() -> None:
         print(json.dumps({"measure": "count_files", "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         results: dict[int, list[dict]] = {p: [] for p in POPULATIONS}
         for _ in range(args.repeats):
-            for population, prefetch in [(p, True) for p in POPULATIONS] + [(POPULATIONS[-1], False)]:
-                out = subprocess.run([sys.executable, __file__, "--child", tmp, str(population), str(int(prefetch))],
+            for population in POPULATIONS:
+                out = subprocess.run([sys.executable, __file__, "--child", tmp, str(population)],
                                      check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-                if prefetch:
-                    results[population].append(json.loads(out))
+                results[population].append(json.loads(out))
                 print(out, flush=True)
     small, large = ({k: float(np.median([r[k] for r in results[p]])) for k in ("peak_rss_mb", "disk_mb", "wall_s")}
                     for p in POPULATIONS)

@@ -340,9 +340,8 @@ class _OnDemandUsers:
     def population(self) -> int:
         return self.train.num_clients
 
-    def prefetch(self, clients: list[int]) -> None:
-        """Start generating these clients' posts in a background thread."""
-        self.train.prefetch(clients)
+    prefetch = None
+    """No read-ahead: a client is generated when the engine asks for it (a background thread measured no gain)."""
 
     def client_data(self, index: int) -> tuple[sp.csr_matrix, np.ndarray | sp.csr_matrix]:
         """The client's posts and its labels (``tag``) or multi-hot tags (``tag_multilabel``), freshly generated."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,11 +218,9 @@ class OnDemandTags:
     """Tag-prediction rows of an :class:`OnDemandPopulation`'s users, generated when asked for.
 
     ``client(i)`` is train user ``i``'s :class:`FederatedTagData` (one client; at most its first
-    ``max_examples_per_client`` posts). ``prefetch(clients)`` starts generating those clients in a
-    background thread; ``client`` then takes the prefetched result (identical, the users being
-    deterministic). At most the last two prefetched cohorts are held. A forked worker process
-    (``processes > 1``) starts with an empty queue and its own thread; the grid's process prefetches
-    the whole cohort, including the clients its workers then generate themselves.
+    ``max_examples_per_client`` posts), generated in the caller's thread: nothing is held between
+    calls, so memory follows the client being trained. (Generating a round's cohort ahead in a
+    background thread was measured and gave no gain on the 2-core machine: BENCHMARKS.md.)
     """
 
     def __init__(self, population: OnDemandPopulation, rows: TagRows, *, num_clients: int,
@@ -232,17 +229,9 @@ class OnDemandTags:
         self.num_clients = num_clients
         self.vocab_size, self.num_tags = rows.vocab_size, rows.num_tags
         self.max_examples_per_client = max_examples_per_client
-        self._pid = -1
-        self._pending: dict[int, Future] = {}
 
-    def _queue(self) -> dict[int, Future]:
-        """The prefetched clients of THIS process (a forked worker starts with none and its own thread)."""
-        if self._pid != os.getpid():
-            self._pid, self._pending = os.getpid(), {}
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="on-demand-users")
-        return self._pending
-
-    def _generate(self, client: int) -> FederatedTagData:
+    def client(self, client: int) -> FederatedTagData:
+        """Client ``client``'s rows (train user ``client``), freshly generated."""
         if not 0 <= client < self.num_clients:
             raise IndexError(f"client {client} outside 0..{self.num_clients - 1}")
         user = self.population.train_user(client)
@@ -254,20 +243,6 @@ class OnDemandTags:
         return FederatedTagData(features=data.features[:cap], labels=data.labels[:cap], tags=data.tags[:cap],
                                 offsets=np.array([0, cap]), client_ids=data.client_ids,
                                 vocab_size=self.vocab_size, num_tags=self.num_tags, num_dropped=data.num_dropped)
-
-    def client(self, client: int) -> FederatedTagData:
-        """Client ``client``'s rows (prefetched if :meth:`prefetch` asked for them)."""
-        future = self._queue().pop(client, None)
-        return future.result() if future is not None else self._generate(client)
-
-    def prefetch(self, clients: Sequence[int]) -> None:
-        """Generate these clients ahead, in a background thread."""
-        pending = self._queue()
-        for c in clients:
-            if c not in pending:
-                pending[c] = self._executor.submit(self._generate, c)
-        while len(pending) > 2 * max(len(clients), 1):
-            pending.pop(next(iter(pending))).cancel()
 
     def split(self, split: str, *, first_users: int | None = None,
               max_examples: int | None = None) -> FederatedTagData:

@@ -100,9 +100,6 @@ def test_a_user_is_the_same_whenever_and_however_generated(stored) -> None:
     for i in (3, 200, 41, 7):
         later.client(i)
     _same(later.client(41), first)
-    later.prefetch([41, 9, 41])                       # in a background thread
-    _same(later.client(41), first)
-    _same(later.client(41), first)                    # the prefetched copy is taken once
     _same(OnDemandTags(_population(10 * CLIENTS), rows, num_clients=10 * CLIENTS).client(41), first)  # any size
 
 
