@@ -94,12 +94,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--users", type=int, default=300)
+    parser.add_argument("--generation-only", action="store_true", help="skip the runs")
     parser.add_argument("--child", nargs=2, metavar=("FOLDER", "POPULATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_once(Path(args.child[0]), int(args.child[1]))))
         return
     print(json.dumps(generation(args.users, args.repeats)), flush=True)
+    if args.generation_only:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         from fedprivacy.stackoverflow_tasks import ensure_data
 

@@ -18,7 +18,8 @@ posts after 2018-01-01 in TFF's data), example-weighted. ``adadps``: the first `
 (default 400) training users, each split by position into train (the client) and test (pooled).
 ``data.max_examples_per_client`` caps each client's training posts; ``data.public_clients``
 loads the first held-out users as a public pool (``task.public``, side information).
-Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`).
+Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`). ``data.source: synthetic``
+generates the training users on demand instead (:mod:`fedprivacy.data.on_demand`; tag tasks, natural view).
 """
 
 from __future__ import annotations

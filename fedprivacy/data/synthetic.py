@@ -454,11 +454,9 @@ class _Draws:
 
     def example_tags(self) -> np.ndarray:
         """Tag ids of each example's tags, example after example (what the tag counts count)."""
-        per_post = np.diff(self.tag_offsets)
-        first = np.repeat(self.tag_offsets[self.post_of], per_post[self.post_of])
-        within = np.arange(len(first)) - np.repeat(np.cumsum(per_post[self.post_of]) - per_post[self.post_of],
-                                                   per_post[self.post_of])
-        return self.tag_ids[first + within]
+        counts = np.diff(self.tag_offsets)[self.post_of]          # tags of each example
+        starts = np.cumsum(counts) - counts                       # where its tags go in the output
+        return self.tag_ids[np.arange(counts.sum()) + np.repeat(self.tag_offsets[self.post_of] - starts, counts)]
 
 
 def _draw_block(rng: np.random.Generator, world: _World, favourites: np.ndarray, n: int,
