@@ -10,7 +10,9 @@ Two measurements, printed as JSON lines:
   folder and output folder) of a short run, 3 rounds, cohort 100, ``tag_multilabel``, 1 epoch of
   batch 100, at populations 10,000 and 342,477, interleaved, each in a fresh process; the count
   files (shared by both populations: both count the first 10,000 train users) are written before
-  the measured runs. Then the ratio 342,477 / 10,000 of the medians.
+  the measured runs. Then the ratio 342,477 / 10,000 of the medians. Before each run, the data
+  layer alone in a fresh process: ``load_task`` (its 10,000-post test set) and 300 clients' rows,
+  its peak RSS.
 
 Run from the repository root: ``python benchmarks/on_demand_population.py [--repeats 2]``.
 """
@@ -62,6 +64,17 @@ def run_once(folder: Path, population: int) -> dict:
             "disk_mb": round((_disk(cfg.data.path) + _disk(cfg.output_dir)) / 2 ** 20, 2)}
 
 
+def data_layer(folder: Path, population: int) -> dict:
+    """The data layer alone in this process: the task (its 10,000-post test set) and 300 clients' rows."""
+    from fedprivacy.stackoverflow_tasks import load_task
+
+    task = load_task(_config(folder, population).data)
+    for i in range(300):
+        task.client_data(i * (task.population // 300))
+    return {"population": population, "data_layer_peak_rss_mb":
+            round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
 def generation(users: int, repeats: int) -> dict:
     """ms per user of the fast path, guide table vs searchsorted, interleaved."""
     from fedprivacy.config import build_config
@@ -95,10 +108,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--users", type=int, default=300)
     parser.add_argument("--generation-only", action="store_true", help="skip the runs")
-    parser.add_argument("--child", nargs=2, metavar=("FOLDER", "POPULATION"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("WHAT", "FOLDER", "POPULATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_once(Path(args.child[0]), int(args.child[1]))))
+        what, folder, population = args.child
+        print(json.dumps((run_once if what == "run" else data_layer)(Path(folder), int(population))))
         return
     print(json.dumps(generation(args.users, args.repeats)), flush=True)
     if args.generation_only:
@@ -112,10 +126,11 @@ def main() -> None:
         results: dict[int, list[dict]] = {p: [] for p in POPULATIONS}
         for _ in range(args.repeats):
             for population in POPULATIONS:
-                out = subprocess.run([sys.executable, __file__, "--child", tmp, str(population)],
-                                     check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                for what in ("data", "run"):
+                    out = subprocess.run([sys.executable, __file__, "--child", what, tmp, str(population)], check=True,
+                                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                    print(out, flush=True)
                 results[population].append(json.loads(out))
-                print(out, flush=True)
     small, large = ({k: float(np.median([r[k] for r in results[p]])) for k in ("peak_rss_mb", "disk_mb", "wall_s")}
                     for p in POPULATIONS)
     print(json.dumps({"measure": "ratio 342477/10000 (medians)",

@@ -57,6 +57,8 @@ class DataConfig(_Section):
     files: ``true`` anywhere, ``false`` never, ``null`` only into the default ``data/synthetic`` (so a
     typo in ``path`` is an error, not a silently generated data set)."""
     synthetic_clients: int = Field(1000, ge=1)
+    """Train users of the synthetic data: the files generated into ``path``, or the on-demand population
+    (``source: synthetic``)."""
     synthetic_seed: int = 0
     vocab_size: int = Field(10_000, ge=1)
     num_tags: int = Field(500, ge=1)

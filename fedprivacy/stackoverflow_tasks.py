@@ -325,13 +325,13 @@ class _OnDemandUsers:
     """The tag tasks with training users generated on demand (``data.source: synthetic``).
 
     ``train`` is an :class:`~fedprivacy.data.on_demand.OnDemandTags` (client ``i`` is train user ``i``,
-    generated when asked for or prefetched), ``partition`` is None; the evaluation set and the public pool
+    generated when asked for), ``partition`` is None; the evaluation set and the public pool
     are ordinary arrays. The majority baselines read the training counts off the tag count file (tags
     sorted by train examples carrying them): the most frequent label is tag column 0 (a post labelled j
     carries tag j, and every post carrying tag 0 is labelled 0, so label 0 counts at least tag 0's
     examples, which are at least tag j's, which are at least label j's), and the five most frequent tags
-    are columns 0..4; with every train user counted (population <= 10,000) and no
-    ``data.max_examples_per_client`` these are the stored data's baselines exactly.
+    are columns 0..4; with every train user counted (population <= 10,000), training and uncapped (no
+    ``data.max_clients``, ``data.max_examples_per_client``), these are the stored data's baselines exactly.
     """
 
     target = ""
