@@ -57,6 +57,8 @@ class DataConfig(_Section):
     files: ``true`` anywhere, ``false`` never, ``null`` only into the default ``data/synthetic`` (so a
     typo in ``path`` is an error, not a silently generated data set)."""
     synthetic_clients: int = Field(1000, ge=1)
+    """Train users of the synthetic data: the files generated into ``path``, or the on-demand population
+    (``source: synthetic``)."""
     synthetic_seed: int = 0
     vocab_size: int = Field(10_000, ge=1)
     num_tags: int = Field(500, ge=1)
@@ -71,9 +73,13 @@ class DataConfig(_Section):
     (Reddi et al., sigmoid, recall@5); next_word: TFF's next-word prediction (LSTM, accuracy
     without pad/OOV/EOS); or ``package.module:factory``, a user's task: ``factory(data_config)``
     returns an object implementing :class:`fedprivacy.task.Task` (the data is then the user's)."""
-    source: Literal["tff-sqlite", "tff-h5"] = "tff-sqlite"
+    source: Literal["tff-sqlite", "tff-h5", "synthetic"] = "tff-sqlite"
     """Example files in ``path``: ``stackoverflow.sqlite`` or TFF's legacy
-    ``stackoverflow_{train,held_out,test}.h5``."""
+    ``stackoverflow_{train,held_out,test}.h5``; or ``synthetic``: no example files, the synthetic
+    population of ``synthetic_clients`` train users (seed ``synthetic_seed``) generated user by user
+    on demand, identical to the stored synthetic data of that seed (tag tasks, natural view; needs
+    ``max_test_examples``; the vocabulary's count files are written once under ``path``;
+    :mod:`fedprivacy.data.on_demand`)."""
     view: Literal["natural", "adadps"] = "natural"
     """natural: each training user is a client, evaluation on the pooled ``test`` split;
     adadps: the first ``max_clients`` (default 400) training users, each split 80/20 by position
@@ -93,6 +99,24 @@ class DataConfig(_Section):
     """Cache preprocessed splits as memory-mapped arrays (rebuilt when an input file changes)."""
     cache_dir: Path | None = None
     """Cache folder (default: ``<path>/.fedprivacy-cache``)."""
+
+    @model_validator(mode="after")
+    def _on_demand_options(self) -> DataConfig:
+        if self.source != "synthetic":
+            return self
+        if self.task == "next_word":
+            raise ValueError("data.task=next_word is not available with data.source=synthetic (on-demand users "
+                             "serve the tag tasks); generate files with data.source=tff-sqlite instead")
+        if self.view != "natural":
+            raise ValueError(f"data.view={self.view!r} needs stored files; data.source=synthetic serves the "
+                             "natural view")
+        if self.client_sample is not None:
+            raise ValueError("data.client_sample is not available with data.source=synthetic: set "
+                             "data.synthetic_clients (or data.max_clients) to the population you want")
+        if self.max_test_examples is None:
+            raise ValueError("data.max_test_examples must be set with data.source=synthetic (the pooled test "
+                             "split of a large population does not fit in memory; e.g. 10000)")
+        return self
 
 
 class SampleDPClientConfig(_Section):

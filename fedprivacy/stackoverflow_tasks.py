@@ -18,7 +18,8 @@ posts after 2018-01-01 in TFF's data), example-weighted. ``adadps``: the first `
 (default 400) training users, each split by position into train (the client) and test (pooled).
 ``data.max_examples_per_client`` caps each client's training posts; ``data.public_clients``
 loads the first held-out users as a public pool (``task.public``, side information).
-Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`).
+Preprocessed splits come from the cache (:mod:`fedprivacy.data.prepared`). ``data.source: synthetic``
+generates the training users on demand instead (:mod:`fedprivacy.data.on_demand`; tag tasks, natural view).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from torch import nn
 from fedprivacy.config import ConfigError, DataConfig
 from fedprivacy.data.hdf5 import SPLIT_FILES
 from fedprivacy.data.next_word import FederatedTokenData, special_tokens
+from fedprivacy.data.on_demand import OnDemandPopulation, OnDemandTags, TagRows, count_files, count_paths
 from fedprivacy.data.prepared import prepared_tags, prepared_tokens
 from fedprivacy.data.readahead import advise_rows
 from fedprivacy.data.sources import ExampleSource, file_identity, open_source
-from fedprivacy.data.synthetic import SYNTHETIC_MARKER, generate
+from fedprivacy.data.synthetic import (DEFAULT_MAX_EXAMPLES, SYNTHETIC_MARKER, TFF_MEAN_EXAMPLES, TFF_MIN_EXAMPLES,
+                                       generate)
 from fedprivacy.data.tag_prediction import FederatedTagData
 from fedprivacy.data.views import Partition, natural, split_by_position
 from fedprivacy.models.logistic import SparseLogisticRegression
@@ -59,11 +62,26 @@ ADADPS_CLIENTS = 400
 EVAL_BATCH = 4096
 
 
+def on_demand_population(cfg: DataConfig) -> OnDemandPopulation:
+    """The population ``data.source: synthetic`` generates on demand (the stored generator's default sizes)."""
+    return OnDemandPopulation(num_clients=cfg.synthetic_clients, seed=cfg.synthetic_seed,
+                              min_examples=TFF_MIN_EXAMPLES, mean_examples=TFF_MEAN_EXAMPLES,
+                              max_examples=DEFAULT_MAX_EXAMPLES)
+
+
 def data_files(cfg: DataConfig) -> tuple[Path, ...]:
-    """The TFF files ``cfg.source`` needs in ``cfg.path``: example file(s), word and tag counts."""
+    """The TFF files ``cfg.source`` needs in ``cfg.path``: example file(s), word and tag counts (on demand:
+    the two count files only, :func:`~fedprivacy.data.on_demand.count_paths`)."""
+    if cfg.source == "synthetic":
+        return count_paths(on_demand_population(cfg), cfg.path)
     examples = ([cfg.path / SQLITE] if cfg.source == "tff-sqlite"
                 else [cfg.path / name for name in SPLIT_FILES.values()])
     return (*examples, cfg.path / WORD_COUNT, cfg.path / TAG_COUNT)
+
+
+def word_count_file(cfg: DataConfig) -> Path:
+    """The ``stackoverflow.word_count`` the tasks read (on demand: the counted users', :func:`data_files`)."""
+    return count_paths(on_demand_population(cfg), cfg.path)[0] if cfg.source == "synthetic" else cfg.path / WORD_COUNT
 
 
 def may_generate(cfg: DataConfig) -> bool:
@@ -77,6 +95,9 @@ def ensure_data(cfg: DataConfig) -> None:
     """Generate the synthetic data set if it is missing and allowed (:func:`may_generate`); otherwise
     name what is missing. A user's task brings its own data."""
     if is_user_task(cfg):
+        return
+    if cfg.source == "synthetic":
+        count_files(on_demand_population(cfg), cfg.path)  # written once, then reused
         return
     files = data_files(cfg)
     missing = [p for p in files if not p.exists()]
@@ -98,6 +119,10 @@ def data_provenance(cfg: DataConfig) -> dict[str, Any]:
     file's identity (:func:`~fedprivacy.data.sources.file_identity`: size, mtime, SHA-256 of its ends)."""
     if is_user_task(cfg):
         return {"source": "user task", "task": cfg.task}
+    if cfg.source == "synthetic":
+        return {"source": "synthetic on demand", "path": str(cfg.path.resolve()), "synthetic": True,
+                "generator": on_demand_population(cfg).describe(),
+                "files": {p.name: file_identity(p) for p in data_files(cfg)}}
     marker = cfg.path / SYNTHETIC_MARKER
     generator = json.loads(marker.read_text()) if marker.is_file() else None
     return {"source": cfg.source, "path": str(cfg.path.resolve()), "synthetic": generator is not None,
@@ -167,8 +192,9 @@ class _BagOfWordsTask:
     """What both tag tasks share: the data, the partition, and the logistic-regression model.
 
     Attributes:
-        train: Preprocessed posts of the selected training users (possibly memory-mapped).
-        partition: Rows of ``train`` owned by each client.
+        train: Preprocessed posts of the selected training users (possibly memory-mapped); for
+            ``data.source: synthetic`` the on-demand users (:class:`_OnDemandUsers`).
+        partition: Rows of ``train`` owned by each client (None on demand).
         test_features, test_labels: The pooled evaluation set (labels: ids, or multi-hot CSR).
         public: The public pool (held-out users), or None.
     """
@@ -209,9 +235,12 @@ class TagPredictionTask(_BagOfWordsTask):
     @property
     def majority_baseline(self) -> float:
         """Test accuracy of always predicting the most frequent training label."""
-        labels = self.train.labels[self.partition.rows()]
-        majority = np.bincount(labels, minlength=self.train.num_tags).argmax()
+        majority = self._majority_label()
         return float(np.mean(self.test_labels == majority)) if len(self.test_labels) else float("nan")
+
+    def _majority_label(self) -> int:
+        labels = self.train.labels[self.partition.rows()]
+        return int(np.bincount(labels, minlength=self.train.num_tags).argmax())
 
     def client_data(self, index: int) -> tuple[sp.csr_matrix, np.ndarray]:
         """The client's posts (read-only CSR views) and labels (a copy)."""
@@ -250,10 +279,13 @@ class MultiLabelTagTask(_BagOfWordsTask):
     @property
     def majority_baseline(self) -> float:
         """Test recall@5 of always predicting the 5 most frequent training tags."""
-        counts = np.asarray(self.train.tags[self.partition.rows()].sum(axis=0)).ravel()
-        top = np.argsort(-counts, kind="stable")[:5]
+        top = self._top_tags()
         positives = self.test_labels.sum()
         return float(self.test_labels[:, top].sum() / positives) if positives else float("nan")
+
+    def _top_tags(self) -> np.ndarray:
+        counts = np.asarray(self.train.tags[self.partition.rows()].sum(axis=0)).ravel()
+        return np.argsort(-counts, kind="stable")[:5]
 
     def client_data(self, index: int) -> tuple[sp.csr_matrix, sp.csr_matrix]:
         """The client's posts and multi-hot tags (read-only CSR views)."""
@@ -287,6 +319,79 @@ class MultiLabelTagTask(_BagOfWordsTask):
             hits, positives = hits + h, positives + p
         return {"test_loss": loss_sum / (n * self.train.num_tags),
                 "test_recall_at_5": hits / positives if positives else float("nan")}
+
+
+class _OnDemandUsers:
+    """The tag tasks with training users generated on demand (``data.source: synthetic``).
+
+    ``train`` is an :class:`~fedprivacy.data.on_demand.OnDemandTags` (client ``i`` is train user ``i``,
+    generated when asked for), ``partition`` is None; the evaluation set and the public pool
+    are ordinary arrays. The majority baselines read the training counts off the tag count file (tags
+    sorted by train examples carrying them): the most frequent label is tag column 0 (a post labelled j
+    carries tag j, and every post carrying tag 0 is labelled 0, so label 0 counts at least tag 0's
+    examples, which are at least tag j's, which are at least label j's), and the five most frequent tags
+    are columns 0..4; with every train user counted (population <= 10,000), training and uncapped (no
+    ``data.max_clients``, ``data.max_examples_per_client``), these are the stored data's baselines exactly.
+    """
+
+    target = ""
+    """The attribute of a client's :class:`~fedprivacy.data.tag_prediction.FederatedTagData` it trains on."""
+
+    @property
+    def population(self) -> int:
+        return self.train.num_clients
+
+    prefetch = None
+    """No read-ahead: a client is generated when the engine asks for it (a background thread measured no gain)."""
+
+    def client_data(self, index: int) -> tuple[sp.csr_matrix, np.ndarray | sp.csr_matrix]:
+        """The client's posts and its labels (``tag``) or multi-hot tags (``tag_multilabel``), freshly generated."""
+        data = self.train.client(index)
+        return data.features, getattr(data, self.target)
+
+    def _majority_label(self) -> int:
+        return 0
+
+    def _top_tags(self) -> np.ndarray:
+        return np.arange(min(5, self.train.num_tags))
+
+
+class OnDemandTagPredictionTask(_OnDemandUsers, TagPredictionTask):
+    """:class:`TagPredictionTask` over an on-demand population."""
+
+    target = "labels"
+
+
+class OnDemandMultiLabelTagTask(_OnDemandUsers, MultiLabelTagTask):
+    """:class:`MultiLabelTagTask` over an on-demand population."""
+
+    target = "tags"
+
+
+def on_demand_rows(cfg: DataConfig) -> OnDemandTags:
+    """The on-demand training users of ``data.source: synthetic`` (count files written once, then read)."""
+    population = on_demand_population(cfg)
+    words, tags = count_files(population, cfg.path)
+    rows = TagRows(population.seed, words, tags, vocab_size=cfg.vocab_size, num_tags=cfg.num_tags,
+                   no_tag=cfg.no_tag)
+    num_clients = min(cfg.synthetic_clients, cfg.max_clients or cfg.synthetic_clients)
+    return OnDemandTags(population, rows, num_clients=num_clients,
+                        max_examples_per_client=cfg.max_examples_per_client)
+
+
+def _on_demand_task(cfg: DataConfig) -> Task:
+    """The tag task over ``data.source: synthetic``: test set = the first ``max_test_examples`` pooled test posts."""
+    users = on_demand_rows(cfg)
+    test = users.split("test", max_examples=cfg.max_test_examples)
+    rows = slice(0, cfg.max_test_examples)
+    public = users.split("heldout", first_users=cfg.public_clients) if cfg.public_clients else None
+    log.info("on-demand synthetic population: %d train users (seed %d), %d test posts", users.num_clients,
+             cfg.synthetic_seed, min(test.offsets[-1], cfg.max_test_examples))
+    if cfg.task == "tag_multilabel":
+        return OnDemandMultiLabelTagTask(train=users, partition=None, test_features=_take(test.features, rows),
+                                         test_labels=_take(test.tags, rows), public=public)
+    return OnDemandTagPredictionTask(train=users, partition=None, test_features=_take(test.features, rows),
+                                     test_labels=_take(test.labels, rows), public=public)
 
 
 @dataclass(frozen=True)
@@ -407,6 +512,8 @@ def load_task(cfg: DataConfig) -> Task:
     """Load (once per process and config) the task ``cfg.task``: client views, evaluation set, public pool."""
     if is_user_task(cfg):
         return _user_task(cfg)
+    if cfg.source == "synthetic":
+        return _on_demand_task(cfg)
     if cfg.task == "next_word":
         def prepare_tokens(source, split, **kw):
             return prepared_tokens(source, split, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **kw)

@@ -39,7 +39,7 @@ from scipy import sparse
 from fedprivacy.data.sources import ExampleSource, offsets_partition, open_source
 from fedprivacy.data.stackoverflow import DataFormatError, read_tag_counts, read_word_counts
 
-__all__ = ["FederatedTagData", "load_tag_prediction"]
+__all__ = ["FederatedTagData", "load_tag_prediction", "assemble"]
 
 NoTag = Literal["label0", "drop"]
 
@@ -228,22 +228,28 @@ def load_tag_prediction(source: ExampleSource | str | Path, word_count_path: str
     if not isinstance(source, ExampleSource):
         source = open_source("tff-sqlite", source)
 
-    ids: list[str] = []
-    parts: list[_ClientRows] = []
-    for client, rows in iter_tag_rows(source, word_count_path, tag_count_path, split,
+    clients_rows = list(iter_tag_rows(source, word_count_path, tag_count_path, split,
                                       vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag,
-                                      max_clients=max_clients, clients=clients):
-        ids.append(client)
-        parts.append(rows)
+                                      max_clients=max_clients, clients=clients))
+    return assemble(clients_rows, vocab_size, num_tags)
 
-    def joined(name: str) -> np.ndarray:
-        return np.concatenate([getattr(p, name) for p in parts])
 
-    features = _csr(joined("row_nnz"), joined("columns"), joined("values"), vocab_size)
-    tag_columns = joined("tag_columns")
-    tags = _csr(joined("tag_nnz"), tag_columns, np.ones(len(tag_columns), np.float32), num_tags)
+def assemble(clients_rows: Sequence[tuple[str, _ClientRows]], vocab_size: int,
+             num_tags: int) -> FederatedTagData:
+    """Joins per-client CSR pieces, in the given order, into one :class:`FederatedTagData`."""
+    parts = [rows for _, rows in clients_rows]
+
+    def joined(name: str, dtype) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts] or [np.empty(0, dtype)])
+
+    features = _csr(joined("row_nnz", np.int64), joined("columns", np.int32),
+                    joined("values", np.float32), vocab_size)
+    tag_columns = joined("tag_columns", np.int32)
+    tags = _csr(joined("tag_nnz", np.int64), tag_columns, np.ones(len(tag_columns), np.float32),
+                num_tags)
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([len(p.labels) for p in parts], out=offsets[1:])
-    return FederatedTagData(features=features, labels=joined("labels"), tags=tags,
-                            offsets=offsets, client_ids=tuple(ids), vocab_size=vocab_size,
-                            num_tags=num_tags, num_dropped=sum(p.dropped for p in parts))
+    return FederatedTagData(features=features, labels=joined("labels", np.int64), tags=tags,
+                            offsets=offsets, client_ids=tuple(c for c, _ in clients_rows),
+                            vocab_size=vocab_size, num_tags=num_tags,
+                            num_dropped=sum(p.dropped for p in parts))

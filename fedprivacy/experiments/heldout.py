@@ -34,13 +34,19 @@ def _heldout_task(cfg: RunConfig, clients: int | None):
         raise ConfigError(f"selection.split=heldout: data.task {data.task!r} is a user's task; held-out users "
                           "exist only for the built-in StackOverflow tasks")
     task = load_task(data)
-    source, root = open_source(data.source, data.path), cache_root(data)
-    if data.task == "next_word":
-        held, _ = prepared_tokens(source, "heldout", vocab_size=data.vocab_size, seq_len=data.seq_len,
-                                  first=clients, cache_root=root)
-        return dataclasses.replace(task, test_tokens=held.tokens)
-    held, _ = prepared_tags(source, "heldout", vocab_size=data.vocab_size, num_tags=data.num_tags,
-                            no_tag=data.no_tag, first=clients, cache_root=root)
+    if data.source == "synthetic":  # the held-out users, generated on demand
+        if clients is None:
+            raise ConfigError("selection.heldout_clients must be set with data.source=synthetic (all held-out "
+                              "users of a large on-demand population do not fit in memory)")
+        held = task.train.split("heldout", first_users=clients)
+    else:
+        source, root = open_source(data.source, data.path), cache_root(data)
+        if data.task == "next_word":
+            tokens, _ = prepared_tokens(source, "heldout", vocab_size=data.vocab_size, seq_len=data.seq_len,
+                                        first=clients, cache_root=root)
+            return dataclasses.replace(task, test_tokens=tokens.tokens)
+        held, _ = prepared_tags(source, "heldout", vocab_size=data.vocab_size, num_tags=data.num_tags,
+                                no_tag=data.no_tag, first=clients, cache_root=root)
     labels = held.tags if data.task == "tag_multilabel" else held.labels
     return dataclasses.replace(task, test_features=held.features, test_labels=labels)
 

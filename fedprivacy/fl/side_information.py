@@ -35,7 +35,7 @@ from fedprivacy.data.stackoverflow import read_word_counts
 from fedprivacy.fl.records import record_nbytes, record_to_tensors, tensors_to_record
 from fedprivacy.optim.adadps import (ADADPS_STREAM, SideInformation, by_frequency, inverse_tfidf, public_batches,
                                      rmsprop_preconditioner, second_moments, two_level)
-from fedprivacy.stackoverflow_tasks import WORD_COUNT
+from fedprivacy.stackoverflow_tasks import word_count_file
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class SideInformationBroadcast:
         if not due:
             return False
         side = build_side_information(a, vocab_size=self.task.train.vocab_size,
-                                      word_count_path=self.cfg.data.path / WORD_COUNT,
+                                      word_count_path=word_count_file(self.cfg.data),
                                       public=self.task.public_examples(), model=model, loss_fn=self.task.loss,
                                       seed=self.cfg.seed, released_round=completed_rounds)
         self._set(side, completed_rounds)
