@@ -45,6 +45,7 @@ from flwr.clientapp.typing import Mod
 
 from fedprivacy.client.trainer import LocalResult, client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
+from fedprivacy.models.logit_losses import closed_form_loss
 from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
@@ -265,12 +266,12 @@ def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: 
                                          (side["embedding.weight"], side.get("bias")))
         trained = LocalResult(SparseUpdate.dense(result.delta), result.train_loss, result.num_examples)
         return trained, event_metrics(result)
-    loss_fn = None if getattr(task, "closed_form_softmax", False) else task.loss  # the tag model's fast path
+    closed_form = closed_form_loss(task)  # the tag models' fast path (softmax or multi-label BCE)
 
     def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
         return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
                          lr=c.client.lr, rng=client_generator(c.seed, job.round, job.partition), start_from=start,
-                         loss_fn=loss_fn, preconditioner=side)
+                         loss_fn=task.loss, closed_form=closed_form, preconditioner=side)
 
     lookahead = msg.content.array_records.get("lookahead")
     if lookahead is None:
