@@ -63,7 +63,7 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
     supports = [model.support_blocks(features) for features, _ in clients]
     sizes = np.array([len(blocks) for blocks, _ in supports])
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # o_i: client i's bias row in X
-    counts = np.array([len(_rows(labels)) for _, labels in clients])
+    counts = np.array([labels.shape[0] for _, labels in clients])
     blocks = torch.cat([blocks for blocks, _ in supports])
     x = _start_rows(bias, weight, blocks, starts)
     start = x.clone()
@@ -94,11 +94,6 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
                                    train_loss=loss_sums[i] / examples if examples else 0.0,
                                    num_examples=int(counts[i])))
     return results
-
-
-def _rows(labels: Any) -> Any:
-    """Something of one entry per example of ``labels`` (an array, or a CSR matrix's row pointer less one)."""
-    return labels.indptr[1:] if sp.issparse(labels) else labels
 
 
 def _inverse_rows(model: SparseLogisticRegression, preconditioner: dict[str, torch.Tensor] | None,

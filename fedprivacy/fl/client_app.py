@@ -93,7 +93,7 @@ def _load_broadcast(model: torch.nn.Module, record: ArrayRecord, device: str) ->
     _loaded[model] = record
 
 
-class _LastDecoded:
+class LastDecoded:
     """Single-entry cache: decode a record shared by all messages of a round once per process."""
 
     def __init__(self) -> None:
@@ -132,7 +132,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     error reply, which the server counts as a dropout.
     """
     app = ClientApp(mods=mods)
-    lookaheads = _LastDecoded()
+    lookaheads = LastDecoded()
 
     answer_identity_query(app)
 
@@ -245,7 +245,7 @@ def adopt_legacy_residual(state: RecordDict) -> bool:
 
 
 def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: torch.nn.Module,
-           lookaheads: _LastDecoded) -> tuple[LocalResult, dict[str, float]]:
+           lookaheads: LastDecoded) -> tuple[LocalResult, dict[str, float]]:
     """The client's local training: record-level DP, plain local SGD, or DiSK's two passes from
     ``x_t`` and the lookahead with one data order. Returns the update it sends (DiSK's combination),
     with the loss and example count of its last pass, and extra metrics (the record-level privacy
@@ -278,9 +278,16 @@ def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: 
         return train_from(None), {}
     coefficient = float(msg.content["config"]["disk-c"])
     ahead = train_from(lookaheads.vector(lookahead, model, c.device))
-    result = ahead if coefficient == 1.0 else train_from(None)
-    update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
-    return LocalResult(update, result.train_loss, result.num_examples), {}
+    return combine_disk_passes(ahead, None if coefficient == 1.0 else train_from(None), coefficient), {}
+
+
+def combine_disk_passes(ahead: LocalResult, current: LocalResult | None, coefficient: float) -> LocalResult:
+    """DiSK's upload from the pass from the lookahead and the pass from ``x_t`` (None: ``c = 1``, one pass):
+    ``c Delta(lookahead) + (1 - c) Delta(x_t)`` (:func:`~fedprivacy.optim.disk.disk_combination`), with the
+    loss and example count of the last pass."""
+    last = ahead if current is None else current
+    return LocalResult(disk_combination(ahead.update, None if current is None else current.update, coefficient),
+                       last.train_loss, last.num_examples)
 
 
 app = build_client_app()
