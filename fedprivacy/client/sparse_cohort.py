@@ -1,7 +1,7 @@
 """Local SGD of many clients of the sparse logistic-regression model at once (the tag task's cohort path).
 
-Every client of a round starts from the same broadcast :math:`(b, W)` and runs the closed-form
-softmax SGD of :func:`fedprivacy.client.trainer.local_sgd` on its own rows (McMahan et al. 2017,
+Every client of a round starts from the same point :math:`(b, W)` (the broadcast, or DiSK's lookahead) and
+runs the closed-form SGD of :func:`fedprivacy.client.trainer.local_sgd` on its own rows (McMahan et al. 2017,
 arXiv:1602.05629v4, Alg. 1). Client :math:`i` reads and changes only its support rows
 :math:`S_i` (row 0 the bias, row :math:`1 + w` the weights of each word :math:`w` in its posts:
 :meth:`~fedprivacy.models.logistic.SparseLogisticRegression.support_blocks`). Here the clients'
@@ -10,14 +10,18 @@ rows at offset :math:`o_i` (:math:`x_i^{(0)} = (b, W)[S_i]`, gathered once), so 
 every client still training is one batched computation over the union of their batches:
 
 .. math:: z_r = \\textstyle\\sum_{k} v_{rk}\\, X[o_{c(r)} + 1 + \\ell_{rk}] + X[o_{c(r)}], \\qquad
-          G_r = (\\operatorname{softmax}(z_r) - e_{y_r}) / B_{c(r), j},
+          G_r = g(z_r) / B_{c(r), j},
 
 .. math:: X[o_i] \\leftarrow X[o_i] - \\eta \\textstyle\\sum_{r: c(r) = i} G_r, \\qquad
           X[o_i + 1 + \\ell] \\leftarrow X[o_i + 1 + \\ell] - \\eta \\textstyle\\sum_{(r,k): \\ell_{rk} = \\ell} v_{rk} G_r
 
 for batch rows :math:`r` of client :math:`c(r)` with stored values :math:`v_{rk}` at local word
-positions :math:`\\ell_{rk}`, labels :math:`y_r` and batch size :math:`B_{c(r), j}` (each epoch's
-last batch may be short). The clients' rows are disjoint, so these are exactly each client's own
+positions :math:`\\ell_{rk}`, the loss's logit gradient :math:`g` (:mod:`fedprivacy.models.logit_losses`:
+:math:`\\operatorname{softmax}(z_r) - e_{y_r}` for single-label tags, :math:`(\\sigma(z_r) - t_r) / K` for the
+multi-label BCE of Reddi et al. 2021, arXiv:2003.00295v5, App. C) and batch size :math:`B_{c(r), j}` (each
+epoch's last batch may be short). AdaDPS (arXiv:2202.05963v2, Alg. 3) divides each row's update by
+its public :math:`A` (a per-word :math:`A_w` scales the backward's values of row :math:`o_i + 1 + \\ell`,
+a per-coordinate one multiplies the product). The clients' rows are disjoint, so these are exactly each client's own
 steps: the one-at-a-time gradient of the batch mean cross-entropy, made of one ``embedding_bag``,
 one softmax and one sparse-dense ``addmm`` for all of them instead of per client (the per-step
 dispatch cost, which dominates a 10-post batch, is paid once per step); the bias is one more

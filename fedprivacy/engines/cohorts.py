@@ -7,8 +7,10 @@ and :func:`config_obstacle`), :class:`CohortTrainer` trains them in chunks with
 client)`` as the ClientApp, the same values within float rounding, and builds each client's reply
 with the ClientApp's own :func:`fedprivacy.fl.client_app.client_reply` (``{"arrays": Delta_i,
 "metrics": {"train_loss", "num-examples"}}``): one reply path, so nothing on the privacy path
-differs. Its clients keep no node state (each reply sees an empty ``Context.state``): runs whose
-clients keep some (the uplink residual, AdaDPS's ``A``) train one at a time. Before the run, one
+differs. Each client's node state is the grid's own (``Context.state``): AdaDPS's ``A`` is read from
+and stored in it as the ClientApp does (:func:`~fedprivacy.fl.side_information.node_side_information`)
+and the uplink compression's residual is read and written by :func:`client_reply`; only record-level
+DP (``client.sample_dp``: per-client noise inside local training) trains one at a time. Before the run, one
 batched step of one client at lr 0 checks that the task's model and loss run under ``vmap`` (a
 user's forward that reads its input through numpy cannot).
 
@@ -30,8 +32,11 @@ The tag task's sparse logistic regression (5,000,500 parameters, but each client
 only the rows of its own words) has its own batched path,
 :func:`~fedprivacy.client.sparse_cohort.train_sparse_cohort`: the clients' support rows laid one
 after another in one matrix, one ``embedding_bag`` and one sparse ``addmm`` per local step for all
-of them. ``auto`` always takes it (benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's
-round"). Its chunks only read the model, so they train on ``processes`` threads at once
+of them, for the softmax cross-entropy of ``tag`` and the sigmoid BCE of ``tag_multilabel`` alike
+(:mod:`fedprivacy.models.logit_losses`), with AdaDPS's ``1 / A`` on its rows and, for DiSK, both passes
+(from the lookahead and from :math:`x_t`, the same data order) combined per client as the ClientApp does
+(:func:`~fedprivacy.fl.client_app.combine_disk_passes`). ``auto`` always takes it
+(benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's round"; benchmarks/so_multilabel_round.py). Its chunks only read the model, so they train on ``processes`` threads at once
 (:func:`~fedprivacy.engines.processes.run_processes`), and the replies still come in chunk order.
 """
 
@@ -81,15 +86,13 @@ BENCHMARKS.md); ``benchmarks/quickstart_round.py --chunks N ...`` measures other
 def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
     """Why ``cfg``'s clients (of ``task``) cannot be trained together, naming the setting, or ``None``;
     read from the config and the task alone (the model's own obstacles: :func:`unsupported_reason`).
-    Record-level DP trains one client at a time; AdaDPS trains together where the task trains the
-    sparse model in closed form; the uplink compression is part of each reply (:func:`client_reply`,
-    on the node's own state), so it never prevents training together."""
+    Record-level DP trains one client at a time; AdaDPS (the config allows it for the tag tasks only,
+    whose sparse model trains in closed form) and the uplink compression (part of each reply:
+    :func:`client_reply`, on the node's own state) train together."""
     if cfg.engine != "inprocess":
         return f"engine {cfg.engine!r} (needs 'inprocess')"
     if cfg.client.sample_dp is not None:
         return "client.sample_dp is set (per-client record-level noise)"
-    if cfg.client.adadps is not None and closed_form_loss(task) is None:
-        return "client.adadps is set (its preconditioner is batched for the sparse tag model only)"
     if cfg.privacy.placement != "central":
         return f"privacy.placement={cfg.privacy.placement!r} (clients add their own noise)"
     if task.population == 0:
@@ -259,8 +262,6 @@ def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:
         if trains_in_closed_form(task, model):
             return _announce(CohortTrainer(cfg, task, model, threads=run_processes(cfg)))
         reason = unsupported_reason(model, *task.client_data(0))
-        if reason is None and cfg.client.adadps is not None:
-            reason = "client.adadps is set (its preconditioner is batched for the sparse tag model only)"
         if reason is None:
             if cfg.cohort_batching == "auto" and not _auto_chooses(cfg, model):
                 return None
