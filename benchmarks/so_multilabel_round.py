@@ -5,17 +5,17 @@ sigmoid per tag (``data.task: tag_multilabel``, recall@5), 100 users per round (
 local epoch, batch 100, client lr 10,000 (the task's loss is a mean over tags and posts), clip 1, noise for a
 cohort of 1,000 among 342,477 users (``privacy.noise_cohort``, ``privacy.noise_population``; the correlated
 mechanisms cannot emulate a larger cohort and run min-separated / cyclic participation over 50 groups with
-their own noise instead). Every method runs through ``fedprivacy.run.run`` (the in-process engine, its
+their own noise instead; BandMF with 4 bands, at most the short run's horizon). Every method runs through ``fedprivacy.run.run`` (the in-process engine, its
 cohort trainer) in its own process; ``--rounds`` rounds without evaluation or checkpoint, the first one
 warm-up, the median of the rest reported. Against it, interleaved in each of ``--repeat`` repeats:
 
 * ``bare``: ``benchmarks/bare_loop.py`` on the same cohorts (no Flower, no fedprivacy objects: per user the
   closed-form sigmoid-BCE SGD on its rows, the exact clip, the sum; one Gaussian draw over 5,000,500
   coordinates, the server SGD step), torch on the run's ``num_threads``;
-* ``floor``: what no implementation of the round can skip, measured on this machine: ONE ``embedding_bag``
-  forward and ONE sparse ``addmm`` backward over all of the round's posts at once on all cores (no sequential
-  steps: strictly less work than local SGD), one pass over every client's ``(r_i, K)`` rows (gather, clip
-  norm, sum) and the Gaussian draw.
+* ``floor``: what no implementation of the round can skip, measured on this machine: per client ONE
+  ``embedding_bag`` forward and ONE sparse backward over all of its posts at once (no sequential steps:
+  less work than local SGD), one pass over its ``(r_i, K)`` rows (gather, clip norm, sum), then the
+  Gaussian draw and the server step, on all cores (:func:`worker_floor`).
 
 Also measured once per repeat: the evaluation of the 10,000 test posts (``task.evaluate``) and a checkpoint
 (``DP-FedAdam``'s run with ``checkpoint_every: 1`` minus without), and, with ``--breakdown``, where a
@@ -61,7 +61,7 @@ METHODS: dict[str, dict] = {
     "tree": {"server": {"optimizer": "sgd", "momentum": 0.9, "lr": 1.0},
              "privacy": {**CORRELATED, "sampling": "min_separated", "mechanism": {"kind": "tree"}}},
     "BandMF": {"server": {"optimizer": "sgd", "momentum": 0.9, "lr": 1.0},
-               "privacy": {**CORRELATED, "sampling": "cyclic_poisson", "mechanism": {"kind": "bandmf", "bands": 8}}},
+               "privacy": {**CORRELATED, "sampling": "cyclic_poisson", "mechanism": {"kind": "bandmf", "bands": 4}}},
     "BLT": {"server": {"optimizer": "sgd", "momentum": 0.9, "lr": 1.0},
             "privacy": {**CORRELATED, "sampling": "min_separated", "mechanism": {"kind": "blt", "buffers": 3}}},
 }
@@ -130,9 +130,14 @@ def worker_bare(rounds: int, data: Path, sets: list[str]) -> dict:
 
 
 def worker_floor(rounds: int, data: Path, sets: list[str]) -> dict:
-    """The unavoidable work of a round (module docstring), on all cores; plus the evaluation's seconds."""
+    """The unavoidable work of a round (module docstring) on all cores, and the evaluation's seconds.
+
+    Per client (its rows, about 3 MB, stay in the cache: one matrix of the whole cohort's rows, 300 MB,
+    measured slower), laid out as the cohort trainer does (untimed: data layout); timed: the gather of
+    its rows, ONE forward over all its posts, the sigmoid-BCE logit gradient, ONE sparse backward into
+    its rows, its norm and scaled sum into the dense total; then one Gaussian draw over every coordinate
+    and the server step. Local SGD takes about ``posts / batch`` such steps in sequence: more work."""
     import numpy as np
-    import scipy.sparse as sp
     import torch
     import torch.nn.functional as F
 
@@ -144,25 +149,22 @@ def worker_floor(rounds: int, data: Path, sets: list[str]) -> dict:
     k, vocab = task.train.num_tags, task.train.features.shape[1]
     params = torch.zeros(1 + vocab, k)
     total = torch.zeros_like(params)
-    seconds = []
+    seconds, posts, rows = [], [], []
     for users in _cohorts(cfg, task, rounds):
-        parts = [task.client_data(int(u)) for u in users]
+        layouts = [_floor_layout(*task.client_data(int(u))) for u in users]
+        posts.append(sum(len(layout[3]) for layout in layouts))
+        rows.append(sum(len(layout[0]) for layout in layouts))
         t0 = time.perf_counter()
-        x = sp.vstack([f for f, _ in parts], format="csr")
-        target = torch.from_numpy(sp.vstack([t for _, t in parts], format="csr").toarray().astype(np.float32))
-        words = torch.from_numpy(x.indices.astype(np.int64))
-        values = torch.from_numpy(x.data.astype(np.float32))
-        logits = F.embedding_bag(words, params[1:], torch.from_numpy(x.indptr[:-1].astype(np.int64)), mode="sum",
-                                 per_sample_weights=values)
-        g = torch.sigmoid(logits).sub_(target)
-        rows = torch.from_numpy(np.repeat(np.arange(x.shape[0]), np.diff(x.indptr)))
-        xt = torch.sparse_coo_tensor(torch.stack([words, rows]), values, (vocab, x.shape[0]), check_invariants=False)
-        grad = torch.sparse.mm(xt, g)  # the backward of every post at once (one dense (V, K) result)
         total.zero_()
-        for f, _ in parts:  # one pass over each client's (r_i, K) rows: gather, norm, scaled sum
-            support = torch.from_numpy(np.unique(f.indices).astype(np.int64))
-            delta = grad.index_select(0, support)
-            total.index_add_(0, support + 1, delta, alpha=1.0 / max(1.0, float(delta.norm())))
+        for blocks, columns, values, offsets, row_of, at in layouts:
+            x = params.index_select(0, blocks)
+            logits = F.embedding_bag(columns, x, offsets, mode="sum", per_sample_weights=values) + params[0]
+            g = torch.sigmoid(logits)
+            g.index_put_(at, torch.tensor(-1.0), accumulate=True)
+            xt = torch.sparse_coo_tensor(torch.stack([columns, row_of]), values, (len(x), len(offsets)),
+                                         check_invariants=False)
+            delta = torch.sparse.mm(xt, g)
+            total.index_add_(0, blocks, delta, alpha=1.0 / max(1.0, float(delta.norm())))
         total.add_(torch.empty_like(total).normal_(0.0, 0.1))
         params.add_(total, alpha=1e-3)
         seconds.append(time.perf_counter() - t0)
@@ -170,8 +172,23 @@ def worker_floor(rounds: int, data: Path, sets: list[str]) -> dict:
     t0 = time.perf_counter()
     task.evaluate(model)
     return {"round_seconds": seconds, "evaluation_seconds": time.perf_counter() - t0,
-            "posts_per_round": int(np.mean([sum(t.shape[0] for _, t in [task.client_data(int(u)) for u in c])
-                                            for c in _cohorts(cfg, task, 2)]))}
+            "posts_per_round": float(np.mean(posts)), "client_rows_per_round": float(np.mean(rows))}
+
+
+def _floor_layout(features, tags):
+    """One client's rows for :func:`worker_floor`: its blocks (its words' rows of the model), each stored
+    value's row among them, the values, each post's first value, each value's post, the tags' (post, tag)."""
+    import numpy as np
+    import torch
+
+    words, local = np.unique(features.indices, return_inverse=True)
+    lengths = np.diff(features.indptr)
+    return (torch.from_numpy(words.astype(np.int64) + 1), torch.from_numpy(local.astype(np.int64)),
+            torch.from_numpy(features.data.astype(np.float32)),
+            torch.from_numpy(features.indptr[:-1].astype(np.int64)),
+            torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)),
+            (torch.from_numpy(np.repeat(np.arange(tags.shape[0]), np.diff(tags.indptr))),
+             torch.from_numpy(tags.indices.astype(np.int64))))
 
 
 BREAKDOWN = {  # (file, function) -> part of the round
