@@ -15,7 +15,7 @@ warm-up, the median of the rest reported. Against it, interleaved in each of ``-
 * ``floor``: what no implementation of the round can skip, measured on this machine: per client ONE
   ``embedding_bag`` forward and ONE sparse backward over all of its posts at once (no sequential steps:
   less work than local SGD), one pass over its ``(r_i, K)`` rows (gather, clip norm, sum), then the
-  Gaussian draw and the server step, on all cores (:func:`worker_floor`).
+  Gaussian draw and the server step, on one core (:func:`worker_floor`; two cores at best halve it).
 
 Also measured once per repeat: the evaluation of the 10,000 test posts (``task.evaluate``) and a checkpoint
 (``DP-FedAdam``'s run with ``checkpoint_every: 1`` minus without), and, with ``--breakdown``, where a
@@ -130,7 +130,8 @@ def worker_bare(rounds: int, data: Path, sets: list[str]) -> dict:
 
 
 def worker_floor(rounds: int, data: Path, sets: list[str]) -> dict:
-    """The unavoidable work of a round (module docstring) on all cores, and the evaluation's seconds.
+    """The unavoidable work of a round (module docstring) on ONE core (two cores at best halve it; torch's
+    intra-op threads on a shared 2-core machine measured up to 10x slower), and the evaluation's seconds.
 
     Per client (its rows, about 3 MB, stay in the cache: one matrix of the whole cohort's rows, 300 MB,
     measured slower), laid out as the cohort trainer does (untimed: data layout); timed: the gather of
@@ -144,7 +145,7 @@ def worker_floor(rounds: int, data: Path, sets: list[str]) -> dict:
     from fedprivacy.stackoverflow_tasks import load_task
 
     cfg = config("DP-FedAvg", data, Path("unused"), rounds, sets)
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(1)
     task = load_task(cfg.data)
     k, vocab = task.train.num_tags, task.train.features.shape[1]
     params = torch.zeros(1 + vocab, k)
