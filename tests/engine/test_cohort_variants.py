@@ -76,3 +76,30 @@ def test_cohort_batching_on_accepts_the_study_s_client_variants(small_config, ov
 def test_cohort_batching_on_still_refuses_record_level_dp(small_config):
     with pytest.raises(ConfigError, match="client.sample_dp"):
         cohort_trainer(small_config("client.sample_dp={noise_multiplier: 1.0}", "cohort_batching=on"))
+
+
+def test_a_cohort_whose_messages_disagree_on_disk_inputs_is_refused(small_config):
+    """One lookahead and one ``disk-c`` per cohort: otherwise (or without ``disk-c``) the grid trains them one at a time."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedprivacy.engines.cohorts import CohortTrainer
+    from fedprivacy.fl.records import model_to_record
+    from fedprivacy.stackoverflow_tasks import load_task
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # Flower's Message needs them
+    cfg = small_config()
+    task = load_task(cfg.data)
+    trainer = CohortTrainer(cfg, task, task.new_model())
+    record, ahead = model_to_record(task.new_model()), model_to_record(task.new_model())
+
+    def message(node, **config):
+        return Message(RecordDict({"arrays": record, "lookahead": ahead,
+                                   "config": ConfigRecord({"server-round": 2, "clip-norm": 1.0, **config})}),
+                       dst_node_id=node, message_type="train")
+
+    assert trainer.handles([message(2, **{"disk-c": 0.5})])
+    for batch, match in (([message(2, **{"disk-c": 0.5}), message(3, **{"disk-c": 0.4})], "different"),
+                         ([message(2)], "without its 'disk-c'")):
+        with pytest.raises(ValueError, match=match):
+            list(trainer.replies(batch, [RecordDict() for _ in batch]))
