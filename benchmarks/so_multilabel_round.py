@@ -5,9 +5,9 @@ sigmoid per tag (``data.task: tag_multilabel``, recall@5), 100 users per round (
 local epoch, batch 100, client lr 10,000 (the task's loss is a mean over tags and posts), clip 1, noise for a
 cohort of 1,000 among 342,477 users (``privacy.noise_cohort``, ``privacy.noise_population``; the correlated
 mechanisms cannot emulate a larger cohort and run min-separated / cyclic participation over 50 groups with
-their own noise instead; BandMF with 4 bands, at most the short run's horizon). Every method runs through ``fedprivacy.run.run`` (the in-process engine, its
-cohort trainer) in its own process; ``--rounds`` rounds without evaluation or checkpoint, the first one
-warm-up, the median of the rest reported. Against it, interleaved in each of ``--repeat`` repeats:
+their own noise instead; BandMF with 4 bands, at most the short run's horizon). Every method runs through
+``fedprivacy.run.run`` (the in-process engine, its cohort trainer) in its own process; ``--rounds`` rounds
+without evaluation or checkpoint, the first one warm-up, the median of the rest reported. Against it, interleaved in each of ``--repeat`` repeats:
 
 * ``bare``: ``benchmarks/bare_loop.py`` on the same cohorts (no Flower, no fedprivacy objects: per user the
   closed-form sigmoid-BCE SGD on its rows, the exact clip, the sum; one Gaussian draw over 5,000,500
@@ -298,7 +298,8 @@ def main() -> int:
     print(text)
     for name, m in report["methods"].items():
         print(f"{name:14s} {m['seconds_per_round']:6.3f} s/round  x{m['over_bare']:5.2f} bare  "
-              f"1,500 rounds: {m['projected_1500_rounds_minutes']:5.1f} min  (repeats {m['seconds_per_round_each_repeat']})")
+              f"1,500 rounds: {m['projected_1500_rounds_minutes']:5.1f} min  "
+              f"(repeats {m['seconds_per_round_each_repeat']})")
     if args.out:
         args.out.write_text(text)
     return 0

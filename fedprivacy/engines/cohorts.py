@@ -36,7 +36,8 @@ of them, for the softmax cross-entropy of ``tag`` and the sigmoid BCE of ``tag_m
 (:mod:`fedprivacy.models.logit_losses`), with AdaDPS's ``1 / A`` on its rows and, for DiSK, both passes
 (from the lookahead and from :math:`x_t`, the same data order) combined per client as the ClientApp does
 (:func:`~fedprivacy.fl.client_app.combine_disk_passes`). ``auto`` always takes it
-(benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's round"; benchmarks/so_multilabel_round.py). Its chunks only read the model, so they train on ``processes`` threads at once
+(benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's round"; benchmarks/so_multilabel_round.py).
+Its chunks only read the model, so they train on ``processes`` threads at once
 (:func:`~fedprivacy.engines.processes.run_processes`), and the replies still come in chunk order.
 """
 
@@ -198,7 +199,7 @@ class CohortTrainer:
         c = self.cfg
         jobs = [ClientJob.of(m, m.metadata.dst_node_id - 2, c, simulated=True) for m in messages]
 
-        def train_from(start: torch.Tensor | None) -> list[LocalResult]:  # a fresh data order per pass, as the ClientApp
+        def train_from(start: torch.Tensor | None) -> list[LocalResult]:  # each pass: a fresh data order, as the app
             rngs = [client_generator(c.seed, job.round, job.partition) for job in jobs]
             if self.sparse:
                 return train_sparse_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,

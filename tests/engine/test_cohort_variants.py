@@ -79,7 +79,8 @@ def test_cohort_batching_on_still_refuses_record_level_dp(small_config):
 
 
 def test_a_cohort_whose_messages_disagree_on_disk_inputs_is_refused(small_config):
-    """One lookahead and one ``disk-c`` per cohort: otherwise (or without ``disk-c``) the grid trains them one at a time."""
+    """One lookahead and one ``disk-c`` per cohort: otherwise (or without ``disk-c``) the grid trains them one at
+    a time."""
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
