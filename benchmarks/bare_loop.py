@@ -14,7 +14,10 @@ weights of word ``w`` (fedprivacy's flat order). Data: CSR arrays (``indptr``, `
 only the cohort's rows are read).
 
 ``cohorts`` (optional) fixes each round's users, so a test can check that the framework computes
-the same model (noise 0).
+the same model (noise 0). ``tags`` (optional, the multi-hot CSR ``(n, K)`` of the multi-label task,
+Reddi et al. 2021, arXiv:2003.00295v5, App. C) replaces the softmax by the per-tag sigmoid BCE, mean
+over the batch and the K tags: the logit gradient is ``(sigmoid(z) - t) / (B K)``. ``noise_std``
+(optional) is the noise std on the sum instead of ``zC`` (large-cohort emulation: ``z C m / M``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                    starts: np.ndarray, stops: np.ndarray, *, vocab: int = 10_000, classes: int = 500, rounds: int = 6,
                    cohort: int = 100, batch_size: int = 100, epochs: int = 1, client_lr: float = 30.0,
                    clip: float = 10.0, z: float = 1.0, server_lr: float = 1.0, seed: int = 0,
-                   cohorts: list[np.ndarray] | None = None) -> tuple[torch.Tensor, list[float]]:
+                   cohorts: list[np.ndarray] | None = None, tags=None,
+                   noise_std: float | None = None) -> tuple[torch.Tensor, list[float]]:
     """Run ``rounds`` rounds; return the final ``(1 + V, K)`` parameters and each round's seconds."""
     params = torch.zeros(1 + vocab, classes)
     total = torch.zeros_like(params)
@@ -55,7 +59,7 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
             cols, local_cols = cols.astype(np.int64), local_cols.astype(np.int64, copy=False)  # once per user
             rows = torch.from_numpy(np.concatenate([[0], words.astype(np.int64) + 1]))
             delta = torch.zeros(len(rows), classes)  # local SGD accumulates x_local - x_t; x_t is only read
-            y = np.asarray(labels[lo:hi], dtype=np.int64)
+            y = None if tags is not None else np.asarray(labels[lo:hi], dtype=np.int64)
             ptr = rows_ptr - rows_ptr[0]
             rng = np.random.default_rng(np.random.SeedSequence([seed, CLIENT_STREAM, t, int(u)]))
             n, first = hi - lo, True
@@ -77,16 +81,21 @@ def bare_dp_fedavg(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, la
                         logits += F.embedding_bag(bag_words, delta[1:], offsets, mode="sum",
                                                   per_sample_weights=bag_w) + delta[0]
                     first = False
-                    g_logits = torch.softmax(logits, 1)
-                    g_logits[torch.arange(len(idx)), torch.from_numpy(y[idx])] -= 1.0
-                    g_logits /= len(idx)
+                    if tags is None:
+                        g_logits = torch.softmax(logits, 1)
+                        g_logits[torch.arange(len(idx)), torch.from_numpy(y[idx])] -= 1.0
+                        g_logits /= len(idx)
+                    else:
+                        target = torch.from_numpy(tags[lo + idx].toarray().astype(np.float32))
+                        g_logits = torch.sigmoid(logits).sub_(target).div_(len(idx) * classes)
                     xt = torch.sparse_coo_tensor(torch.stack([bag_words, torch.from_numpy(row_of)]), bag_w,
                                                  (len(rows) - 1, len(idx)), check_invariants=False)
                     delta[0] -= client_lr * g_logits.sum(0)
                     weight = delta[1:]
                     torch.addmm(weight, xt, g_logits, alpha=-client_lr, out=weight)  # in place, no (r, K) temporary
             total.index_add_(0, rows, delta, alpha=clip_scale(l2_norm_bound(delta), clip))  # the same exact clip
-        total.add_(torch.empty_like(total).normal_(0.0, z * clip, generator=noise_gen))
+        total.add_(torch.empty_like(total).normal_(0.0, z * clip if noise_std is None else noise_std,
+                                                   generator=noise_gen))
         params.add_(total, alpha=server_lr / cohort)
         seconds.append(time.perf_counter() - t0)
     return params, seconds

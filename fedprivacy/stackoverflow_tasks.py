@@ -276,6 +276,9 @@ class MultiLabelTagTask(_BagOfWordsTask):
     labels are multi-hot CSR ``(n, num_tags)``.
     """
 
+    closed_form_sigmoid = True
+    """Local SGD takes the sparse model's closed-form path with this loss (fedprivacy.models.logit_losses)."""
+
     @property
     def majority_baseline(self) -> float:
         """Test recall@5 of always predicting the 5 most frequent training tags."""

@@ -21,7 +21,8 @@ class Task(Protocol):
     an index array (numpy arrays, tensors or scipy CSR); local SGD minimises
     ``loss(model(features[batch]), labels[batch])`` (a batch-mean scalar tensor). ``evaluate(model)``
     returns metrics for ``metrics.csv`` (``test_accuracy`` is the headline one by default). Optional:
-    ``closed_form_softmax = True`` (the sparse tag model's fast path), ``prefetch(clients)``, ``public``.
+    ``closed_form_softmax = True`` or ``closed_form_sigmoid = True`` (the sparse tag model's closed-form
+    local SGD of that loss: :mod:`fedprivacy.models.logit_losses`), ``prefetch(clients)``, ``public``.
     """
 
     @property

@@ -1,7 +1,7 @@
 """Local SGD of many clients of the sparse logistic-regression model at once (the tag task's cohort path).
 
-Every client of a round starts from the same broadcast :math:`(b, W)` and runs the closed-form
-softmax SGD of :func:`fedprivacy.client.trainer.local_sgd` on its own rows (McMahan et al. 2017,
+Every client of a round starts from the same point :math:`(b, W)` (the broadcast, or DiSK's lookahead) and
+runs the closed-form SGD of :func:`fedprivacy.client.trainer.local_sgd` on its own rows (McMahan et al. 2017,
 arXiv:1602.05629v4, Alg. 1). Client :math:`i` reads and changes only its support rows
 :math:`S_i` (row 0 the bias, row :math:`1 + w` the weights of each word :math:`w` in its posts:
 :meth:`~fedprivacy.models.logistic.SparseLogisticRegression.support_blocks`). Here the clients'
@@ -10,14 +10,18 @@ rows at offset :math:`o_i` (:math:`x_i^{(0)} = (b, W)[S_i]`, gathered once), so 
 every client still training is one batched computation over the union of their batches:
 
 .. math:: z_r = \\textstyle\\sum_{k} v_{rk}\\, X[o_{c(r)} + 1 + \\ell_{rk}] + X[o_{c(r)}], \\qquad
-          G_r = (\\operatorname{softmax}(z_r) - e_{y_r}) / B_{c(r), j},
+          G_r = g(z_r) / B_{c(r), j},
 
 .. math:: X[o_i] \\leftarrow X[o_i] - \\eta \\textstyle\\sum_{r: c(r) = i} G_r, \\qquad
           X[o_i + 1 + \\ell] \\leftarrow X[o_i + 1 + \\ell] - \\eta \\textstyle\\sum_{(r,k): \\ell_{rk} = \\ell} v_{rk} G_r
 
 for batch rows :math:`r` of client :math:`c(r)` with stored values :math:`v_{rk}` at local word
-positions :math:`\\ell_{rk}`, labels :math:`y_r` and batch size :math:`B_{c(r), j}` (each epoch's
-last batch may be short). The clients' rows are disjoint, so these are exactly each client's own
+positions :math:`\\ell_{rk}`, the loss's logit gradient :math:`g` (:mod:`fedprivacy.models.logit_losses`:
+:math:`\\operatorname{softmax}(z_r) - e_{y_r}` for single-label tags, :math:`(\\sigma(z_r) - t_r) / K` for the
+multi-label BCE of Reddi et al. 2021, arXiv:2003.00295v5, App. C) and batch size :math:`B_{c(r), j}` (each
+epoch's last batch may be short). AdaDPS (arXiv:2202.05963v2, Alg. 3) divides each row's update by
+its public :math:`A` (a per-word :math:`A_w` scales the backward's values of row :math:`o_i + 1 + \\ell`,
+a per-coordinate one multiplies the product). The clients' rows are disjoint, so these are exactly each client's own
 steps: the one-at-a-time gradient of the batch mean cross-entropy, made of one ``embedding_bag``,
 one softmax and one sparse-dense ``addmm`` for all of them instead of per client (the per-step
 dispatch cost, which dominates a 10-post batch, is paid once per step); the bias is one more
@@ -34,6 +38,7 @@ batches are the same. A client with no step :math:`j` (it has fewer posts) has n
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -42,52 +47,79 @@ import torch
 from fedprivacy.client.cohort_training import _batch_indices
 from fedprivacy.client.trainer import LocalResult
 from fedprivacy.models.logistic import LocalRows, SparseLogisticRegression
+from fedprivacy.models.logit_losses import SOFTMAX_CROSS_ENTROPY, LogitLoss, closed_form_loss
 from fedprivacy.updates import SparseUpdate
 
 
-def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple[sp.csr_matrix, np.ndarray]], *,
-                        epochs: int, batch_size: int, lr: float,
-                        rngs: Sequence[np.random.Generator]) -> list[LocalResult]:
-    """``local_sgd(model, *clients[i], rng=rngs[i], ...)`` (closed-form softmax path, from the model's
-    weights) for every client, trained together (module docstring); one :class:`LocalResult` per
-    client, in order, equal to the one-at-a-time result within float rounding. ``model`` is only read."""
+def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple[sp.csr_matrix, Any]], *,
+                        epochs: int, batch_size: int, lr: float, rngs: Sequence[np.random.Generator],
+                        loss: LogitLoss = SOFTMAX_CROSS_ENTROPY, start_from: torch.Tensor | None = None,
+                        preconditioner: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+    """``local_sgd(model, *clients[i], rng=rngs[i], start_from=start_from, preconditioner=preconditioner, ...)``
+    (the closed-form path of ``loss``) for every client, trained together (module docstring); one
+    :class:`LocalResult` per client, in order, equal to the one-at-a-time result within float rounding.
+    ``model`` is only read; ``start_from`` (a full flat vector, e.g. DiSK's lookahead) replaces its
+    weights as the starting point; ``preconditioner``: AdaDPS's public ``A`` by parameter name."""
     if not clients:
         return []
-    bias, weight = model.start_point()
+    bias, weight = model.start_point(start_from)
     device = bias.device
     supports = [model.support_blocks(features) for features, _ in clients]
     sizes = np.array([len(blocks) for blocks, _ in supports])
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # o_i: client i's bias row in X
-    counts = np.array([len(labels) for _, labels in clients])
-    x = _start_rows(bias, weight, torch.cat([blocks for blocks, _ in supports]), starts)
+    counts = np.array([labels.shape[0] for _, labels in clients])
+    blocks = torch.cat([blocks for blocks, _ in supports])
+    x = _start_rows(bias, weight, blocks, starts)
     start = x.clone()
+    inverse = _inverse_rows(model, preconditioner, blocks, starts)
     plan = _Plan.build([local for _, local in supports], starts, counts, rngs, epochs, batch_size,
-                       np.concatenate([np.asarray(y, dtype=np.int64) for _, y in clients]), device)
-    picked = torch.empty(len(plan.owner), 1, dtype=x.dtype, device=device)  # each row's softmax(z)_y, in step order
-    minus_one = torch.full((int(np.diff(plan.row_at).max(initial=0)), 1), -1.0, dtype=x.dtype, device=device)
+                       loss.concat([y for _, y in clients]), loss, device,
+                       None if inverse is None or inverse.shape[1] > 1 else inverse[:, 0])
+    losses = torch.empty(len(plan.owner), dtype=x.dtype, device=device)  # each row's loss, in step order
     for j in range(len(plan.row_at) - 1):
         r0, r1, k0, k1 = plan.row_at[j], plan.row_at[j + 1], plan.nnz_at[j], plan.nnz_at[j + 1]
-        columns = plan.indices[0, k0:k1]
-        logits = torch.nn.functional.embedding_bag(columns, x, plan.offsets[r0:r1], mode="sum",
+        logits = torch.nn.functional.embedding_bag(plan.indices[0, k0:k1], x, plan.offsets[r0:r1], mode="sum",
                                                    per_sample_weights=plan.values[k0:k1])
-        p = torch.softmax(logits, dim=1)
-        at = plan.labels[r0:r1, None]
-        torch.gather(p, 1, at, out=picked[r0:r1])
-        p.scatter_add_(1, at, minus_one[:r1 - r0])  # softmax(z) - e_y; the 1 / B is in the backward's values
+        g, losses[r0:r1] = loss.gradient(logits, plan.targets[r0:r1])  # the 1 / B is in the backward's values
         xt = torch.sparse_coo_tensor(plan.indices[:, k0:k1], plan.scaled[k0:k1], (len(x), r1 - r0),
                                      check_invariants=False)
-        torch.addmm(x, xt, p, alpha=-lr, out=x)
+        if inverse is None or inverse.shape[1] == 1:
+            torch.addmm(x, xt, g, alpha=-lr, out=x)
+        else:
+            x.addcmul_(torch.sparse.mm(xt, g), inverse, value=-lr)
     x.sub_(start)
-    losses = picked.squeeze(1).log_().neg_().double()  # the rows' cross-entropies
-    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(0, plan.owner, losses).tolist()
+    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(
+        0, plan.owner, losses.double()).tolist()
     dim = sum(p.numel() for p in model.parameters())
     results = []
-    for i, (blocks, _) in enumerate(supports):
+    for i, (client_blocks, _) in enumerate(supports):
         examples = int(counts[i]) * epochs
-        results.append(LocalResult(update=SparseUpdate(blocks, x[starts[i]:starts[i] + sizes[i]], dim),
+        results.append(LocalResult(update=SparseUpdate(client_blocks, x[starts[i]:starts[i] + sizes[i]], dim),
                                    train_loss=loss_sums[i] / examples if examples else 0.0,
                                    num_examples=int(counts[i])))
     return results
+
+
+def _inverse_rows(model: SparseLogisticRegression, preconditioner: dict[str, torch.Tensor] | None,
+                  blocks: torch.Tensor, bias_rows: np.ndarray) -> torch.Tensor | None:
+    """AdaDPS's ``1 / A`` on every row of ``X`` (None: A = 1): ``(R, 1)`` when ``A`` is one number per word
+    and the bias is not preconditioned (it then scales the backward's sparse values), else ``(R, K)``.
+    The factors of :meth:`~SparseLogisticRegression.inverse_preconditioner` (``A_W``: ``(V, 1)`` or ``(V, K)``,
+    ``A_b``: ``(K,)``), for all clients' rows at once (a bias row reads word 0's ``A_W``, then is overwritten)."""
+    a_w, a_b = (None, None) if preconditioner is None else (preconditioner.get("embedding.weight"),
+                                                            preconditioner.get("bias"))
+    if a_w is None and a_b is None:
+        return None
+    inv_w = None if a_w is None else 1.0 / a_w.to(blocks.device).index_select(0, (blocks - 1).clamp_(min=0))
+    inv_b = None if a_b is None else 1.0 / a_b.to(blocks.device)
+    k = model.block_size
+    width = 1 if inv_b is None and (inv_w is None or inv_w.shape[1] == 1) else k
+    rows = torch.ones(len(blocks), width, dtype=torch.float32, device=blocks.device)
+    if inv_w is not None:
+        rows.copy_(inv_w.expand(len(blocks), width))
+    at = torch.from_numpy(bias_rows).to(blocks.device)
+    rows[at] = 1.0 if inv_b is None else inv_b.to(rows.dtype)
+    return rows
 
 
 class _Plan:
@@ -98,8 +130,9 @@ class _Plan:
     (column ``o_i``, value 1), so a row's logit is one ``embedding_bag`` sum over ``X``, and the bias
     gradient comes out of the same ``addmm`` as the weights'. ``indices`` = (row of X, the value's
     row within its step), ``values`` the forward's weights, ``scaled`` the backward's (divided by
-    the row's batch size: the mean's ``1 / B``), ``offsets`` each row's first value within its step, ``labels`` and
-    ``owner`` (the client) per row.
+    the row's batch size: the mean's ``1 / B``, and by AdaDPS's ``1 / A`` of its row of ``X`` where that is
+    one number per row: ``inverse``), ``offsets`` each row's first value within its step, ``targets``
+    (``loss.take`` of the rows, in step order) and ``owner`` (the client) per row.
     """
 
     def __init__(self, **arrays: torch.Tensor | np.ndarray) -> None:
@@ -107,8 +140,8 @@ class _Plan:
 
     @classmethod
     def build(cls, locals_: Sequence[LocalRows], starts: np.ndarray, counts: np.ndarray,
-              rngs: Sequence[np.random.Generator], epochs: int, batch_size: int, labels: np.ndarray,
-              device: torch.device) -> _Plan:
+              rngs: Sequence[np.random.Generator], epochs: int, batch_size: int, labels: Any, loss: LogitLoss,
+              device: torch.device, inverse: torch.Tensor | None = None) -> _Plan:
         rows_base = np.concatenate([[0], np.cumsum(counts)[:-1]])
         steps = [_batch_indices(rng, int(n), epochs, batch_size) for rng, n in zip(rngs, counts)]
         total = max(len(s) for s in steps)
@@ -143,10 +176,13 @@ class _Plan:
         nnz_at = offsets[row_at]
         offsets = offsets[:-1] - nnz_at[step_of_row]  # each row's first value within its step
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        scaled = as_tensor(val / per_row_batch[row_of].astype(np.float32))
+        indices = as_tensor(np.stack([col, local_row]))
+        if inverse is not None:  # AdaDPS's per-row 1 / A, on the backward's values of that row of X
+            scaled.mul_(inverse[indices[0]])
         return cls(row_at=row_at.tolist(), nnz_at=nnz_at.tolist(), offsets=as_tensor(offsets),
-                   indices=as_tensor(np.stack([col, local_row])), values=as_tensor(val),
-                   scaled=as_tensor(val / per_row_batch[row_of].astype(np.float32)),
-                   labels=as_tensor(labels[rows]), owner=as_tensor(owner))
+                   indices=indices, values=as_tensor(val), scaled=scaled,
+                   targets=loss.take(labels, rows, device), owner=as_tensor(owner))
 
 
 def _start_rows(bias: torch.Tensor, weight: torch.Tensor, blocks: torch.Tensor, bias_rows: np.ndarray) -> torch.Tensor:
@@ -166,7 +202,7 @@ def _step_sizes(n: int, per_epoch: int, epochs: int, batch_size: int) -> np.ndar
 
 
 def trains_in_closed_form(task: object, model: torch.nn.Module) -> bool:
-    """Whether ``task``'s clients train ``model`` with the closed-form softmax SGD on their support rows
-    (``local_sgd`` without a loss function: the task says ``closed_form_softmax``, the model has
+    """Whether ``task``'s clients train ``model`` with closed-form SGD on their support rows (the task
+    names a closed-form loss: :func:`~fedprivacy.models.logit_losses.closed_form_loss`; the model has
     ``support_blocks``), which :func:`train_sparse_cohort` batches."""
-    return bool(getattr(task, "closed_form_softmax", False)) and hasattr(model, "support_blocks")
+    return closed_form_loss(task) is not None and hasattr(model, "support_blocks")

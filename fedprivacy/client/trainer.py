@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fedprivacy.client.tensors import host_floats
+from fedprivacy.models.logit_losses import SOFTMAX_CROSS_ENTROPY, LogitLoss
 from fedprivacy.updates import SparseUpdate
 
 CLIENT_STREAM = 0x636C69656E74  # "client"
@@ -103,24 +104,28 @@ def local_sgd(model: nn.Module, features: sp.csr_matrix | np.ndarray, labels: np
               epochs: int, batch_size: int, lr: float, rng: np.random.Generator,
               start_from: torch.Tensor | None = None,
               loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
-              preconditioner: dict[str, torch.Tensor] | None = None) -> LocalResult:
+              preconditioner: dict[str, torch.Tensor] | None = None,
+              closed_form: LogitLoss | None = None) -> LocalResult:
     """Train from the model's weights (or from ``start_from``); return ``x_local - x_start``.
 
     The model holds ``x_t`` before and after the call. ``start_from`` (a full flat vector, e.g.
     DiSK's lookahead ``x_t + gamma d``) replaces the starting point on the support; this is exact
     because ``update_support`` lists every coordinate the loss on these rows reads or changes.
     The loss is ``loss_fn(model(features[batch]), labels[batch])``, by default the mean softmax
-    cross-entropy (then the sparse model trains in closed form on its weight rows); other tasks
-    (multi-label BCE, next-word) pass theirs and train by autograd. With ``lr = 0`` the delta is
-    exactly zero.
+    cross-entropy (then the sparse model trains in closed form on its weight rows); other tasks pass
+    theirs and train by autograd, unless ``closed_form`` names the same loss in closed form
+    (:mod:`fedprivacy.models.logit_losses`, e.g. the multi-label BCE) and the model trains on its
+    support rows. With ``lr = 0`` the delta is exactly zero.
 
     AdaDPS (``preconditioner``: parameter name -> public ``A``, broadcastable to the parameter; an
     absent name is A = 1): every step is :math:`x \\leftarrow x - \\eta_l \\nabla f(x) \\oslash A`
     (arXiv:2202.05963v2, Alg. 3); the support is unchanged (A divides, it never spreads a gradient).
     """
-    if loss_fn is None and hasattr(model, "support_blocks"):
+    if closed_form is None and loss_fn is None:
+        closed_form = SOFTMAX_CROSS_ENTROPY
+    if closed_form is not None and hasattr(model, "support_blocks"):
         return _local_sgd_blocks(model, features, labels, epochs=epochs, batch_size=batch_size, lr=lr, rng=rng,
-                                 start_from=start_from, preconditioner=preconditioner)
+                                 start_from=start_from, preconditioner=preconditioner, loss=closed_form)
     view = FlatView(model)
     support = model.update_support(features) if hasattr(model, "update_support") else None  # None: all, dense
     origin = view.gather(support)
@@ -168,32 +173,32 @@ def _divide_grad_(p: nn.Parameter, a: torch.Tensor) -> None:
         p.grad.div_(a)
 
 
-def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray, *, epochs: int,
+def _local_sgd_blocks(model: nn.Module, features: sp.csr_matrix, labels: np.ndarray | sp.csr_matrix, *, epochs: int,
                       batch_size: int, lr: float, rng: np.random.Generator,
                       start_from: torch.Tensor | None,
-                      preconditioner: dict[str, torch.Tensor] | None = None) -> LocalResult:
+                      preconditioner: dict[str, torch.Tensor] | None, loss: LogitLoss) -> LocalResult:
     """:func:`local_sgd` for a model that trains on its support rows alone (``support_blocks``).
 
     The same SGD on the same batches, accumulated as the delta itself on the ``(r, K)`` rows the
     client's data touches (:math:`\\Delta \\leftarrow \\Delta - \\eta_l \\nabla f(x_t + \\Delta; B_j)`,
     :math:`\\Delta = 0` at first) instead of on the shared model or a copy of its rows: the starting
     point is only read, nothing is restored, and the delta is block-sparse over those rows. The
-    model supplies the batch gradient in closed form (``local_sgd_step_``, in place); the values
-    agree with autograd's up to float rounding.
+    model supplies the batch gradient of ``loss`` in closed form (``local_sgd_step_``, in place); the
+    values agree with autograd's up to float rounding.
     """
     blocks, local = model.support_blocks(features)
     start = model.start_point(start_from)
     delta = torch.zeros(len(blocks), model.block_size, dtype=start[0].dtype, device=start[0].device)
     inverse_a = model.inverse_preconditioner(preconditioner, blocks)
     n = features.shape[0]
-    y_all = np.asarray(labels, dtype=np.int64)
     losses, sizes = [], []
     for _ in range(epochs):
         order = rng.permutation(n)
         for lo in range(0, n, batch_size):
             idx = order[lo:lo + batch_size]
-            y = torch.from_numpy(y_all[idx]).to(delta.device, non_blocking=True)
-            losses.append(model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=not losses))
+            y = loss.take(labels, idx, delta.device)
+            losses.append(model.local_sgd_step_(local, idx, start, delta, y, lr, inverse_a, delta_is_zero=not losses,
+                                                loss=loss))
             sizes.append(len(idx))
     return LocalResult(update=SparseUpdate(blocks, delta, sum(p.numel() for p in model.parameters())),
                        train_loss=_mean_loss(losses, sizes, n * epochs), num_examples=n)

@@ -7,8 +7,10 @@ and :func:`config_obstacle`), :class:`CohortTrainer` trains them in chunks with
 client)`` as the ClientApp, the same values within float rounding, and builds each client's reply
 with the ClientApp's own :func:`fedprivacy.fl.client_app.client_reply` (``{"arrays": Delta_i,
 "metrics": {"train_loss", "num-examples"}}``): one reply path, so nothing on the privacy path
-differs. Its clients keep no node state (each reply sees an empty ``Context.state``): runs whose
-clients keep some (the uplink residual, AdaDPS's ``A``) train one at a time. Before the run, one
+differs. Each client's node state is the grid's own (``Context.state``): AdaDPS's ``A`` is read from
+and stored in it as the ClientApp does (:func:`~fedprivacy.fl.side_information.node_side_information`)
+and the uplink compression's residual is read and written by :func:`client_reply`; only record-level
+DP (``client.sample_dp``: per-client noise inside local training) trains one at a time. Before the run, one
 batched step of one client at lr 0 checks that the task's model and loss run under ``vmap`` (a
 user's forward that reads its input through numpy cannot).
 
@@ -30,8 +32,12 @@ The tag task's sparse logistic regression (5,000,500 parameters, but each client
 only the rows of its own words) has its own batched path,
 :func:`~fedprivacy.client.sparse_cohort.train_sparse_cohort`: the clients' support rows laid one
 after another in one matrix, one ``embedding_bag`` and one sparse ``addmm`` per local step for all
-of them. ``auto`` always takes it (benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's
-round"). Its chunks only read the model, so they train on ``processes`` threads at once
+of them, for the softmax cross-entropy of ``tag`` and the sigmoid BCE of ``tag_multilabel`` alike
+(:mod:`fedprivacy.models.logit_losses`), with AdaDPS's ``1 / A`` on its rows and, for DiSK, both passes
+(from the lookahead and from :math:`x_t`, the same data order) combined per client as the ClientApp does
+(:func:`~fedprivacy.fl.client_app.combine_disk_passes`). ``auto`` always takes it
+(benchmarks/quickstart_round.py, BENCHMARKS.md "The quickstart's round"; benchmarks/so_multilabel_round.py).
+Its chunks only read the model, so they train on ``processes`` threads at once
 (:func:`~fedprivacy.engines.processes.run_processes`), and the replies still come in chunk order.
 """
 
@@ -45,15 +51,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 
 from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
 from fedprivacy.client.sparse_cohort import train_sparse_cohort, trains_in_closed_form
-from fedprivacy.client.trainer import client_generator
+from fedprivacy.client.trainer import LocalResult, client_generator
 from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.engines.processes import run_processes
-from fedprivacy.fl.client_app import ClientJob, client_reply
+from fedprivacy.fl.client_app import ClientJob, LastDecoded, client_reply, combine_disk_passes
 from fedprivacy.fl.records import load_record_
+from fedprivacy.fl.side_information import node_side_information
+from fedprivacy.models.logit_losses import closed_form_loss
 from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.task import Task
 
@@ -78,13 +86,14 @@ BENCHMARKS.md); ``benchmarks/quickstart_round.py --chunks N ...`` measures other
 
 def config_obstacle(cfg: RunConfig, task: Task) -> str | None:
     """Why ``cfg``'s clients (of ``task``) cannot be trained together, naming the setting, or ``None``;
-    read from the config and the task alone (the model's own obstacles: :func:`unsupported_reason`)."""
+    read from the config and the task alone (the model's own obstacles: :func:`unsupported_reason`).
+    Record-level DP trains one client at a time; AdaDPS (the config allows it for the tag tasks only,
+    whose sparse model trains in closed form) and the uplink compression (part of each reply:
+    :func:`client_reply`, on the node's own state) train together."""
     if cfg.engine != "inprocess":
         return f"engine {cfg.engine!r} (needs 'inprocess')"
-    for name, value in (("client.sample_dp", cfg.client.sample_dp), ("client.adadps", cfg.client.adadps),
-                        ("client.compression", cfg.client.compression)):
-        if value is not None:
-            return f"{name} is set (per-client noise, preconditioner or residual state)"
+    if cfg.client.sample_dp is not None:
+        return "client.sample_dp is set (per-client record-level noise)"
     if cfg.privacy.placement != "central":
         return f"privacy.placement={cfg.privacy.placement!r} (clients add their own noise)"
     if task.population == 0:
@@ -135,18 +144,25 @@ class CohortTrainer:
         """``model``: the task's model, a working copy that each round's broadcast is loaded into."""
         self.cfg, self.task, self.model = cfg, task, model
         self.sparse = trains_in_closed_form(task, model)
+        self.loss = closed_form_loss(task)
+        self._lookaheads = LastDecoded()
         self.chunk = SPARSE_CHUNK_EXAMPLES if self.sparse else chunk_size(self.model)
         self.threads = threads if self.sparse else 1
         self._loaded = None  # the broadcast record the model holds
 
-    @staticmethod
-    def handles(messages: Sequence[Message]) -> bool:
-        """Whether these are plain ``train`` messages (no DiSK lookahead, no SecAgg+ stage) that :meth:`replies` answers."""
-        return bool(messages) and all(m.metadata.message_type == "train" and "lookahead" not in m.content.array_records
-                                      and "secagg" not in m.content.config_records for m in messages)
+    def handles(self, messages: Sequence[Message]) -> bool:
+        """Whether these are ``train`` messages (no SecAgg+ stage; a DiSK lookahead only for the sparse
+        model) that :meth:`replies` answers."""
+        return bool(messages) and all(
+            m.metadata.message_type == "train" and "secagg" not in m.content.config_records
+            and (self.sparse or "lookahead" not in m.content.array_records) for m in messages)
 
-    def replies(self, messages: Sequence[Message]) -> Iterator[Message]:
-        """The ClientApp's reply to each message, trained in chunks (the class docstring), chunk by chunk."""
+    def replies(self, messages: Sequence[Message], states: Sequence[RecordDict]) -> Iterator[Message]:
+        """The ClientApp's reply to each message, trained in chunks (the class docstring), chunk by chunk.
+
+        ``states``: each message's node ``Context.state``, read and written as the ClientApp does (AdaDPS's
+        ``A``, sent to a node once: :func:`~fedprivacy.fl.side_information.node_side_information`), and
+        handed to :func:`client_reply`."""
         record = messages[0].content["arrays"]
         if any(m.content["arrays"] is not record for m in messages):
             raise ValueError("a cohort's train messages carry different broadcasts")
@@ -154,10 +170,12 @@ class CohortTrainer:
             if not load_record_(self.model, record):
                 raise ValueError("broadcast arrays do not match the model's parameters")
             self._loaded = record
+        round_ = _RoundInputs.of(messages, states, self.model, self.cfg.device, self._lookaheads)
         data = [self.task.client_data(m.metadata.dst_node_id - 2) for m in messages]
-        sizes = [len(labels) for _, labels in data]
+        sizes = [labels.shape[0] for _, labels in data]
         parts = chunks_by_examples(sizes, self.chunk) if self.sparse else chunks_by_size(sizes, self.chunk)
-        jobs = [functools.partial(self._train, [messages[i] for i in part], [data[i] for i in part]) for part in parts]
+        jobs = [functools.partial(self._train, [messages[i] for i in part], [data[i] for i in part],
+                                  [states[i] for i in part], round_) for part in parts]
         if self.threads == 1:
             for job in jobs:
                 yield from job()
@@ -174,18 +192,56 @@ class CohortTrainer:
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
 
-    def _train(self, messages: Sequence[Message], data: Sequence[tuple[Any, Any]]) -> list[Message]:
-        """The replies to ``messages`` (one chunk), each :func:`client_reply` of its client's training."""
+    def _train(self, messages: Sequence[Message], data: Sequence[tuple[Any, Any]], states: Sequence[RecordDict],
+               round_: _RoundInputs) -> list[Message]:
+        """The replies to ``messages`` (one chunk), each :func:`client_reply` of its client's training
+        (DiSK: both passes with the same data order, combined by :func:`combine_disk_passes`)."""
         c = self.cfg
         jobs = [ClientJob.of(m, m.metadata.dst_node_id - 2, c, simulated=True) for m in messages]
-        rngs = [client_generator(c.seed, job.round, job.partition) for job in jobs]
-        if self.sparse:
-            results = train_sparse_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
-                                          lr=c.client.lr, rngs=rngs)
+
+        def train_from(start: torch.Tensor | None) -> list[LocalResult]:  # each pass: a fresh data order, as the app
+            rngs = [client_generator(c.seed, job.round, job.partition) for job in jobs]
+            if self.sparse:
+                return train_sparse_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
+                                           lr=c.client.lr, rngs=rngs, loss=self.loss, start_from=start,
+                                           preconditioner=round_.preconditioner)
+            return train_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
+                                lr=c.client.lr, rngs=rngs, loss_fn=self.task.loss)
+
+        if round_.lookahead is None:
+            results = train_from(None)
         else:
-            results = train_cohort(self.model, data, epochs=c.client.epochs, batch_size=c.client.batch_size,
-                                   lr=c.client.lr, rngs=rngs, loss_fn=self.task.loss)
-        return [client_reply(m, RecordDict(), c, job, self.model, r) for m, job, r in zip(messages, jobs, results)]
+            ahead = train_from(round_.lookahead)
+            current = [None] * len(ahead) if round_.disk_c == 1.0 else train_from(None)
+            results = [combine_disk_passes(a, r, round_.disk_c) for a, r in zip(ahead, current)]
+        return [client_reply(m, state, c, job, self.model, r)
+                for m, state, job, r in zip(messages, states, jobs, results)]
+
+
+class _RoundInputs:
+    """What a round's messages share besides the broadcast: AdaDPS's ``A`` (each node's, stored in its
+    state as the ClientApp does), DiSK's decoded lookahead and ``disk-c``; one value for the whole cohort."""
+
+    def __init__(self, preconditioner: dict[str, torch.Tensor] | None, lookahead: torch.Tensor | None,
+                 disk_c: float | None) -> None:
+        self.preconditioner, self.lookahead, self.disk_c = preconditioner, lookahead, disk_c
+
+    @classmethod
+    def of(cls, messages: Sequence[Message], states: Sequence[RecordDict], model: torch.nn.Module, device: str,
+           lookaheads: LastDecoded) -> _RoundInputs:
+        """Read them from ``messages`` (ValueError: they differ between messages, or a node lacks ``A``)."""
+        sides = [node_side_information(m, Context(run_id=0, node_id=m.metadata.dst_node_id, node_config={},
+                                                  state=state, run_config={}), device)
+                 for m, state in zip(messages, states)]
+        records = [m.content.array_records.get("lookahead") for m in messages]
+        coefficients = {float(m.content["config"]["disk-c"]) for m in messages if "disk-c" in m.content["config"]}
+        if any(side is not sides[0] for side in sides) or any(r is not records[0] for r in records) \
+                or len(coefficients) > 1:
+            raise ValueError("a cohort's train messages carry different AdaDPS or DiSK inputs")
+        if records[0] is not None and not coefficients:
+            raise ValueError("a train message carries a DiSK lookahead without its 'disk-c'")
+        lookahead = None if records[0] is None else lookaheads.vector(records[0], model, device)
+        return cls(sides[0], lookahead, coefficients.pop() if coefficients else None)
 
 
 def cohort_trainer(cfg: RunConfig) -> CohortTrainer | None:

@@ -139,18 +139,23 @@ class InProcessGrid(Grid):
             yield reply
 
     def _cohort_replies(self, batch: list[Message]) -> Iterator[Message]:
-        """The cohort's replies to ``batch``; after a failure, the rest one at a time (a failing one a dropout)."""
-        answered = set()
+        """The cohort's replies to ``batch`` (each node's state read and kept, as :meth:`_deliver` does);
+        after a failure, the rest one at a time (a failing one a dropout)."""
+        states = [self._states.get(m.metadata.dst_node_id, RecordDict()) for m in batch]
+        answered, rest = set(), []
         try:
-            for reply in self.cohort.replies(batch):
+            for reply in self.cohort.replies(batch, states):
                 answered.add(reply.metadata.reply_to_message_id)
                 yield reply
         except Exception as exc:  # noqa: BLE001 - the clients still train, one at a time
             rest = [m for m in batch if m.metadata.message_id not in answered]
             log.warning("training the cohort together failed (%s); the remaining %d clients train one at a time",
                         exc, len(rest))
-            for msg in rest:
-                yield self._deliver(msg)
+        finally:
+            for msg, state in zip(batch, states):
+                self._keep_state(msg.metadata.dst_node_id, state)
+        for msg in rest:
+            yield self._deliver(msg)
 
     # -- node state (kept with the server's checkpoint) ----------------------------------------
     def node_state_dict(self) -> dict[int, RecordDict]:

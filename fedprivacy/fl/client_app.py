@@ -45,6 +45,7 @@ from flwr.clientapp.typing import Mod
 
 from fedprivacy.client.trainer import LocalResult, client_generator, local_sgd
 from fedprivacy.config import DataConfig, RunConfig, SampleDPClientConfig
+from fedprivacy.models.logit_losses import closed_form_loss
 from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
@@ -92,7 +93,7 @@ def _load_broadcast(model: torch.nn.Module, record: ArrayRecord, device: str) ->
     _loaded[model] = record
 
 
-class _LastDecoded:
+class LastDecoded:
     """Single-entry cache: decode a record shared by all messages of a round once per process."""
 
     def __init__(self) -> None:
@@ -131,7 +132,7 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
     error reply, which the server counts as a dropout.
     """
     app = ClientApp(mods=mods)
-    lookaheads = _LastDecoded()
+    lookaheads = LastDecoded()
 
     answer_identity_query(app)
 
@@ -244,7 +245,7 @@ def adopt_legacy_residual(state: RecordDict) -> bool:
 
 
 def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: torch.nn.Module,
-           lookaheads: _LastDecoded) -> tuple[LocalResult, dict[str, float]]:
+           lookaheads: LastDecoded) -> tuple[LocalResult, dict[str, float]]:
     """The client's local training: record-level DP, plain local SGD, or DiSK's two passes from
     ``x_t`` and the lookahead with one data order. Returns the update it sends (DiSK's combination),
     with the loss and example count of its last pass, and extra metrics (the record-level privacy
@@ -265,21 +266,28 @@ def _train(msg: Message, context: Context, c: RunConfig, job: ClientJob, model: 
                                          (side["embedding.weight"], side.get("bias")))
         trained = LocalResult(SparseUpdate.dense(result.delta), result.train_loss, result.num_examples)
         return trained, event_metrics(result)
-    loss_fn = None if getattr(task, "closed_form_softmax", False) else task.loss  # the tag model's fast path
+    closed_form = closed_form_loss(task)  # the tag models' fast path (softmax or multi-label BCE)
 
     def train_from(start: torch.Tensor | None):  # the same data order for every pass (common randomness)
         return local_sgd(model, features, labels, epochs=c.client.epochs, batch_size=c.client.batch_size,
                          lr=c.client.lr, rng=client_generator(c.seed, job.round, job.partition), start_from=start,
-                         loss_fn=loss_fn, preconditioner=side)
+                         loss_fn=task.loss, closed_form=closed_form, preconditioner=side)
 
     lookahead = msg.content.array_records.get("lookahead")
     if lookahead is None:
         return train_from(None), {}
     coefficient = float(msg.content["config"]["disk-c"])
     ahead = train_from(lookaheads.vector(lookahead, model, c.device))
-    result = ahead if coefficient == 1.0 else train_from(None)
-    update = disk_combination(ahead.update, None if coefficient == 1.0 else result.update, coefficient)
-    return LocalResult(update, result.train_loss, result.num_examples), {}
+    return combine_disk_passes(ahead, None if coefficient == 1.0 else train_from(None), coefficient), {}
+
+
+def combine_disk_passes(ahead: LocalResult, current: LocalResult | None, coefficient: float) -> LocalResult:
+    """DiSK's upload from the pass from the lookahead and the pass from ``x_t`` (None: ``c = 1``, one pass):
+    ``c Delta(lookahead) + (1 - c) Delta(x_t)`` (:func:`~fedprivacy.optim.disk.disk_combination`), with the
+    loss and example count of the last pass."""
+    last = ahead if current is None else current
+    return LocalResult(disk_combination(ahead.update, None if current is None else current.update, coefficient),
+                       last.train_loss, last.num_examples)
 
 
 app = build_client_app()

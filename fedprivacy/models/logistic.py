@@ -27,6 +27,8 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
+from fedprivacy.models.logit_losses import SOFTMAX_CROSS_ENTROPY, LogitLoss
+
 
 class SparseLogisticRegression(nn.Module):
     """``logits = x @ W + b`` for CSR rows ``x``; parameters ``embedding.weight`` (V x K) and ``bias`` (K)."""
@@ -128,14 +130,17 @@ class SparseLogisticRegression(nn.Module):
     def local_sgd_step_(local: LocalRows, rows: np.ndarray, start: tuple[torch.Tensor, torch.Tensor],
                         delta: torch.Tensor, labels: torch.Tensor, lr: float,
                         inverse_a: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None), *,
-                        delta_is_zero: bool = False) -> torch.Tensor:
-        """One SGD step of the mean cross-entropy of rows ``rows`` at ``start + delta``, in closed form,
-        accumulated into ``delta`` in place; returns the batch's mean loss before the step (a 0-d
-        tensor on ``delta``'s device: reading it would wait for the device).
+                        delta_is_zero: bool = False, loss: LogitLoss = SOFTMAX_CROSS_ENTROPY) -> torch.Tensor:
+        """One SGD step of the batch-mean ``loss`` of rows ``rows`` (targets ``labels``, as from
+        ``loss.take``) at ``start + delta``, in closed form, accumulated into ``delta`` in place; returns
+        the batch's mean loss before the step (a 0-d tensor on ``delta``'s device: reading it would wait
+        for the device).
 
-        .. math:: \\Delta_b \\leftarrow \\Delta_b - \\tfrac{\\eta}{B} \\textstyle\\sum_i (p_i - e_{y_i}) \\oslash A_b,
-                  \\quad \\Delta_W \\leftarrow \\Delta_W - \\tfrac{\\eta}{B} \\big(X^\\top (P - E_y)\\big) \\oslash A_W
+        .. math:: \\Delta_b \\leftarrow \\Delta_b - \\tfrac{\\eta}{B} \\textstyle\\sum_i g_i \\oslash A_b,
+                  \\quad \\Delta_W \\leftarrow \\Delta_W - \\tfrac{\\eta}{B} \\big(X^\\top G\\big) \\oslash A_W
 
+        with :math:`g_i` row ``i``'s logit gradient (:mod:`fedprivacy.models.logit_losses`: ``p_i - e_{y_i}``
+        for the softmax cross-entropy, ``(sigmoid(z_i) - t_i) / K`` for the multi-label BCE).
         The same step as autograd's gradient through :meth:`local_logits` (tested). Training keeps the
         delta, not the trained rows: the starting point is only read (the forward pass reads its
         rows of the batch's words), so nothing of size ``(r, K)`` is gathered, copied or subtracted;
@@ -146,13 +151,10 @@ class SparseLogisticRegression(nn.Module):
         a per-coordinate one (``(r-1, K)``) divides the product.
         """
         inv_w, inv_b = inverse_a
-        device, batch = delta.device, len(rows)
-        bag = local.bag(rows, device)
+        batch = len(rows)
+        bag = local.bag(rows, delta.device)
         logits = SparseLogisticRegression.local_logits(bag, start, None if delta_is_zero else delta)
-        dlogits = torch.softmax(logits, dim=1)
-        at_label = labels[:, None]
-        loss = dlogits.gather(1, at_label).log_().mean().neg_()  # the cross-entropy, from the softmax needed anyway
-        dlogits.scatter_add_(1, at_label, torch.full((batch, 1), -1.0, device=device))
+        dlogits, losses = loss.gradient(logits, labels)
         dlogits.div_(batch)
         bias_grad = dlogits.sum(0)
         delta[0].sub_(bias_grad if inv_b is None else bias_grad.mul_(inv_b), alpha=lr)
@@ -166,7 +168,7 @@ class SparseLogisticRegression(nn.Module):
             torch.addmm(weight, xt, dlogits, alpha=-lr, out=weight)
         else:
             weight.addcmul_(torch.sparse.mm(xt, dlogits), inv_w, value=-lr)
-        return loss
+        return losses.mean()
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ def _final(cfg) -> torch.Tensor:
 
 @pytest.mark.parametrize("extra", [(), ("client.sample_dp={optimizer: sgd, lr: 0.05, batch_size: 4, epochs: 0.5}",)])
 def test_unit_side_information_is_dp_fedavg_exactly(small_config, tmp_path, extra):
-    # one client at a time, as AdaDPS trains: the tag task's cohort path equals it within float rounding only
+    # both one client at a time: the tag task's cohort path equals it within float rounding only
+    # (tests/engine/test_cohort_variants.py)
     plain = small_config("rounds=2", "cohort_batching=off", *extra, f"output_dir={tmp_path / 'plain'}")
-    ones = small_config("rounds=2", *extra, "client.adadps.source=ones", f"output_dir={tmp_path / 'ones'}")
+    ones = small_config("rounds=2", "cohort_batching=off", *extra, "client.adadps.source=ones",
+                        f"output_dir={tmp_path / 'ones'}")
     run(plain)
     run(ones)
     assert torch.equal(_final(plain), _final(ones))

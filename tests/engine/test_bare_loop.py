@@ -32,3 +32,21 @@ def test_bare_loop_trains_the_same_model_as_the_framework(small_config):
     assert params.abs().max() > 0
     assert torch.allclose(params[0], state["bias"], atol=1e-6)
     assert torch.allclose(params[1:], state["embedding.weight"], atol=1e-6)
+
+
+def test_the_multilabel_bare_loop_trains_the_same_model_as_the_framework(small_config):
+    """The multi-label round's bare loop (benchmarks/so_multilabel_round.py): sigmoid BCE, the framework's model."""
+    cfg = small_config("rounds=3", "data.task=tag_multilabel", "client.lr=50", "privacy.noise_multiplier=0",
+                       "privacy.sampling=fixed", "privacy.accountants=[rdp]", "server.momentum=0")
+    run(cfg)
+    task = load_task(cfg.data)
+    sampler = make_sampler("fixed", task.population, 8, cfg.seed)
+    cohorts = [sampler.sample() for _ in range(3)]
+    f = task.train.features
+    params, _ = bare_dp_fedavg(f.indptr, f.indices, f.data, None, task.partition.starts, task.partition.stops,
+                               vocab=2000, classes=50, rounds=3, cohort=8, batch_size=10, client_lr=50.0, clip=1.0,
+                               z=0.0, seed=cfg.seed, cohorts=cohorts, tags=task.train.tags)
+    state = torch.load(cfg.output_dir / "final_model.pt")
+    assert params.abs().max() > 1e-3
+    assert torch.allclose(params[0], state["bias"], atol=1e-6)
+    assert torch.allclose(params[1:], state["embedding.weight"], atol=1e-6)

@@ -83,6 +83,18 @@ def test_the_cohort_engine_replies_what_the_client_app_replies_bit_for_bit(small
     if cfg.client.compression is not None:
         assert all(dict(w["metrics"])["residual-bytes"] > 0 for w in want.values())
         assert {node - 2 for node in one_at_a_time.node_state_dict()} == {p for _, p in jobs}
+        # the cohort reads and keeps each node's residual as the ClientApp does: the next round's replies match too
+        assert _states(together) == _states(one_at_a_time)
+        later = [(5, p) for _, p in jobs]
+        want = [_bytes(r) for r in one_at_a_time.send_and_receive(_messages(task, later, 0.7))]
+        got = {r.metadata.src_node_id: _bytes(r) for r in together.send_and_receive(_messages(task, later, 0.7))}
+        assert sorted(map(str, got.values())) == sorted(map(str, want)) and _states(together) == _states(one_at_a_time)
+
+
+def _states(grid: InProcessGrid) -> dict:
+    """The grid's node states as plain values: every array's bytes by node and key."""
+    return {node: {key: {name: bytes(a.data) for name, a in state[key].items()} for key in state.array_records}
+            for node, state in grid.node_state_dict().items()}
 
 
 def test_the_client_app_and_the_mods_keep_the_residual_under_one_key():

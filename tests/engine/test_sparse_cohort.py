@@ -8,6 +8,7 @@ from fedprivacy.client.sparse_cohort import train_sparse_cohort
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.engines import cohorts
 from fedprivacy.engines.cohorts import chunks_by_examples, cohort_trainer
+from fedprivacy.models.logit_losses import SIGMOID_BINARY_CROSS_ENTROPY, closed_form_loss
 from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task
 
@@ -87,3 +88,32 @@ def test_a_tag_run_trained_together_matches_one_at_a_time_on_any_number_of_threa
         assert not torch.equal(final["off1"][name], initial[name])
     assert runs["auto1"]["epsilon_rdp"] == runs["off1"]["epsilon_rdp"]
     assert runs["auto1"]["test_accuracy"] == pytest.approx(runs["off1"]["test_accuracy"], abs=1e-2)
+
+
+def _multilabel_task(small_config):
+    task = load_task(small_config("data.task=tag_multilabel").data)
+    assert closed_form_loss(task) is SIGMOID_BINARY_CROSS_ENTROPY
+    return task
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_multilabel_clients_trained_together_equal_autograd_local_sgd_one_at_a_time(small_config, epochs):
+    """The closed-form sigmoid BCE, batched over clients, equals autograd on ``MultiLabelTagTask.loss`` per client."""
+    task = _multilabel_task(small_config)
+    model = _random_start(task.new_model())
+    clients = list(range(10))
+    data = [task.client_data(c) for c in clients]
+    assert max(int(t.sum(1).max()) for _, t in data) > 1  # posts with several tags
+    kw = dict(epochs=epochs, batch_size=10, lr=50.0)
+    together = train_sparse_cohort(model, data, rngs=[client_generator(0, 4, c) for c in clients],
+                                   loss=SIGMOID_BINARY_CROSS_ENTROPY, **kw)
+    for c, (features, tags), mine in zip(clients, data, together):
+        closed = local_sgd(model, features, tags, rng=client_generator(0, 4, c), loss_fn=task.loss,
+                           closed_form=SIGMOID_BINARY_CROSS_ENTROPY, **kw)
+        autograd = local_sgd(model, features, tags, rng=client_generator(0, 4, c), loss_fn=task.loss, **kw)
+        dense = autograd.update.to_dense()
+        for result in (mine, closed):
+            torch.testing.assert_close(result.update.to_dense(), dense, rtol=1e-5, atol=1e-6)
+            assert result.train_loss == pytest.approx(autograd.train_loss, rel=1e-5)
+            assert result.num_examples == autograd.num_examples
+        assert dense.abs().max() > 1e-3  # they trained
