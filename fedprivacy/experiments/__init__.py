@@ -14,9 +14,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fedprivacy.experiments import study as _study
+from fedprivacy.experiments.docs import tuned
 from fedprivacy.experiments.report import write_report
-from fedprivacy.experiments.study import StudyConfig, expand, load_study
+from fedprivacy.experiments.study import StudyConfig, expand
 from fedprivacy.experiments.sweep import SweepResult, run_sweep
+
+
+def load_study(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:
+    """Read a study YAML file, apply ``overrides``, and take its methods' grid points from the study it is
+    ``tuned_on`` (:func:`~fedprivacy.experiments.docs.tuned`), if any."""
+    return tuned(_study.load_study(path, overrides))
 
 
 def compare(study: StudyConfig, jobs: int | None = None, *, show_progress: bool | None = None,

@@ -35,7 +35,8 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, _grid, _summary
-from fedprivacy.experiments.study import column_title
+from fedprivacy.config import ConfigError
+from fedprivacy.experiments.study import StudyConfig, column_title, expand_grid, hparams_label
 
 SUMMARY_VERSION = 1
 RUN_FIELDS = ("method", "budget", "budget_epsilon", "hparams", "seed", "rounds_completed", "noise_multiplier",
@@ -241,3 +242,34 @@ def update_docs(path: str | Path, results_dir: str | Path) -> bool:
     if fresh != text:
         path.write_text(fresh)
     return fresh != text
+
+
+def tuned(study: StudyConfig) -> StudyConfig:
+    """``study`` with each method's grid replaced by the single point that its ``tuned_on`` summary selected at
+    ``tuned_on.budget`` (the largest/smallest mean selection score over seeds, as that study's report selects);
+    ``study`` itself when it has no ``tuned_on``.
+
+    Raises:
+        ConfigError: the summary is missing, or a method has not run there at that budget, or not every point of
+            its grid (a selection among fewer points would not be the one the grid asks for).
+    """
+    spec = study.tuned_on
+    if spec is None:
+        return study
+    if not spec.summary.is_file():
+        raise ConfigError(f"tuned_on.summary: {spec.summary} does not exist (run the tuning study and "
+                          "`fedprivacy report DIR --summary FILE` first)")
+    stored = load_summary(spec.summary)
+    grid = stored.grid()
+    methods = {}
+    for name, method in study.methods.items():
+        cells = grid[(grid["method"] == name) & (grid["budget"] == spec.budget)]
+        points = {hparams_label(point): point for point in expand_grid(method.grid)}
+        missing = sorted(set(points) - set(cells["hparams"]))
+        if missing:
+            raise ConfigError(f"tuned_on: {spec.summary} lacks method {name!r} at budget {spec.budget!r} for "
+                              f"{len(missing)} of its {len(points)} grid points ({'; '.join(missing)}): finish the "
+                              "tuning study first")
+        chosen = points[cells[cells["selected"]]["hparams"].iloc[0]]
+        methods[name] = method.model_copy(update={"grid": {key: [value] for key, value in chosen.items()}})
+    return study.model_copy(update={"methods": methods})

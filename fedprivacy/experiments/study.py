@@ -152,6 +152,16 @@ def column_title(name: str) -> str:
     return f"{column} (last round)" if last == "1" else f"{column} (mean of last {last} rounds)"
 
 
+class TunedSpec(_Section):
+    """Hyperparameters tuned by an earlier study: each method runs the single grid point that study selected at
+    one of its budgets (e.g. learning rates selected at epsilon 8 and one seed, then run at every budget and seed)."""
+
+    summary: Path
+    """That study's stored summary (``fedprivacy report DIR --summary FILE``), e.g. ``docs/results/NAME.json``."""
+    budget: str
+    """The budget (its label, e.g. ``eps8``) at which the selection is taken."""
+
+
 class StudyConfig(_Section):
     """A comparison study (the YAML schema of ``fedprivacy compare``)."""
 
@@ -166,6 +176,10 @@ class StudyConfig(_Section):
     metric: str | None = None
     """Headline ``metrics.csv`` column; default from ``data.task`` (:data:`TASK_METRICS`)."""
     selection: SelectionSpec = SelectionSpec()
+    tuned_on: TunedSpec | None = None
+    """Take each method's grid point from an earlier study's selection (:class:`TunedSpec`): every method's
+    ``grid`` must be that study's, completely run at ``tuned_on.budget``; this study then runs only the point
+    selected there (:func:`fedprivacy.experiments.docs.tuned`, applied by :func:`fedprivacy.experiments.load_study`)."""
     columns: list[ColumnSpec] = []
     """Extra per-run columns of the tables (:class:`ColumnSpec`)."""
 
@@ -244,6 +258,11 @@ def run_id(method: str, budget: str, hparams: dict[str, Any], seed: int) -> str:
     return "__".join(_slug(part) for part in (method, budget, point, f"s{seed}"))
 
 
+def expand_grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every point of a method's grid (dotted field -> value), in order; ``[{}]`` for no grid."""
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
 def expand(study: StudyConfig) -> list[RunSpec]:
     """Every run of the study, in order method, budget, grid point, seed (each config validated).
 
@@ -259,7 +278,7 @@ def expand(study: StudyConfig) -> list[RunSpec]:
         if touched:
             raise ConfigError(f"methods.{method}: {', '.join(touched)} is set by the study's budgets "
                               "(every method at one budget runs the same mechanism)")
-        points = [dict(zip(spec.grid, values)) for values in itertools.product(*spec.grid.values())]
+        points = expand_grid(spec.grid)
         for budget in study.budgets:
             for point in points:
                 for seed in study.seeds:

@@ -170,3 +170,57 @@ def test_a_verdict_block_is_rendered_and_checked_like_the_other_tables(tmp_path)
     assert marked_tables(doc.read_text()) == ["v:verdict"]
     assert stale_tables(doc, tmp_path) == ["v:verdict"]
     assert "| eps8 | A | 0.510 ± 0.014 | B: +0.400 (se 0.014) | clear |" in render_docs(doc.read_text(), tmp_path)
+
+
+def _tuning_summary(tmp_path: Path, scores: dict[tuple[str, str], list[float]]) -> Path:
+    """A stored summary of a tuning study at eps8: per (method, server.lr label) the held-out score of each seed."""
+    runs = [{"method": method, "budget": "eps8", "budget_epsilon": 8.0, "hparams": point, "seed": seed,
+             "rounds_completed": 10, "noise_multiplier": 0.5, "majority_baseline": 0.2, "selection_score": score,
+             "epsilon_rdp": 8.0, "epsilon_prv": None, "epsilon_pld": None, "final_test_recall_at_5": score,
+             "best_test_recall_at_5": score}
+            for (method, point), values in scores.items() for seed, score in enumerate(values)]
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"version": 1, "study": "tuning", "metric": "test_recall_at_5", "columns": [],
+                                "runs": runs, "selection": {"metric": "heldout_recall_at_5", "mode": "max",
+                                                            "at": "final", "split": "heldout",
+                                                            "heldout_clients": 10}}))
+    return path
+
+
+def _tuned_study(tmp_path: Path, summary: Path, grid: dict) -> Path:
+    study = tmp_path / "study.yaml"
+    study.write_text(json.dumps({
+        "name": "tuned", "output_dir": str(tmp_path / "out"), "base": {"rounds": 2},
+        "methods": {"A": {"set": {"server": {"optimizer": "sgd"}}, "grid": grid},
+                    "B": {"set": {"server": {"optimizer": "adam"}}, "grid": {"server.lr": [0.01, 0.1]}}},
+        "budgets": [{"epsilon": 1}, {"epsilon": 8}], "seeds": [0, 1],
+        "tuned_on": {"summary": str(summary), "budget": "eps8"}}))
+    return study
+
+
+def test_a_tuned_study_runs_each_methods_selected_point_at_every_budget_and_seed(tmp_path):
+    from fedprivacy.experiments.study import expand
+
+    summary = _tuning_summary(tmp_path, {("A", "server.lr=1.0"): [0.3], ("A", "server.lr=3.0"): [0.4],
+                                         ("B", "server.lr=0.01"): [0.5], ("B", "server.lr=0.1"): [0.2]})
+    study = load_study(_tuned_study(tmp_path, summary, {"server.lr": [1.0, 3.0]}))
+    assert {m: spec.grid for m, spec in study.methods.items()} == {"A": {"server.lr": [3.0]},
+                                                                  "B": {"server.lr": [0.01]}}
+    runs = expand(study)
+    assert len(runs) == 2 * 2 * 2  # methods x budgets x seeds, one point each
+    assert {(r.method, r.config.server.lr) for r in runs} == {("A", 3.0), ("B", 0.01)}
+    assert load_study(_tuned_study(tmp_path, summary, {"server.lr": [1.0, 3.0]})) == study  # the same on resume
+
+
+@pytest.mark.parametrize(("scores", "grid", "message"), [
+    ({("A", "server.lr=1.0"): [0.3], ("B", "server.lr=0.01"): [0.5], ("B", "server.lr=0.1"): [0.2]},
+     {"server.lr": [1.0, 3.0]}, r"lacks method 'A' at budget 'eps8' for 1 of its 2 grid points \(server.lr=3.0\)"),
+    ({("B", "server.lr=0.01"): [0.5], ("B", "server.lr=0.1"): [0.2]}, {"server.lr": [1.0]},
+     r"lacks method 'A'"),
+])
+def test_a_tuned_study_refuses_a_tuning_that_is_not_finished_naming_the_method(tmp_path, scores, grid, message):
+    summary = _tuning_summary(tmp_path, scores)
+    with pytest.raises(ConfigError, match=message):
+        load_study(_tuned_study(tmp_path, summary, grid))
+    with pytest.raises(ConfigError, match="tuned_on.summary: .* does not exist"):
+        load_study(_tuned_study(tmp_path, tmp_path / "nowhere.json", grid))

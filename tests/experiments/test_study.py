@@ -125,3 +125,22 @@ def test_compare_cli_names_the_bad_study_field(tmp_path, capsys):
 def test_shipped_studies_are_valid(name):
     specs = expand(load_study(REPO / "configs" / name))
     assert specs and all(s.config.rounds >= 1 for s in specs)
+
+
+def test_study_e_parts_share_part_1s_setting_and_take_its_selected_rates():
+    """Parts 2 and 4 run part 1's methods (same settings, same grids, so its selection applies) on part 1's
+    setting; part 4 only trains the emulated cohort for real; part 3 runs on the same setting."""
+    grid, comparison, real, nonprivate = (load_study(REPO / "configs" / f"study_e_{n}.yaml")
+                                          for n in ("lr_grid", "comparison", "real_cohort", "nonprivate"))
+    for tuned_part in (comparison, real):
+        assert tuned_part.tuned_on is not None
+        assert tuned_part.tuned_on.summary == Path("docs/results/study_e_lr_grid.json")
+        assert tuned_part.tuned_on.budget == "eps8" and "eps8" in {b.name for b in grid.budgets}
+        assert tuned_part.methods == grid.methods
+    assert comparison.base == grid.base == nonprivate.base and comparison.output_dir == grid.output_dir
+    emulation = {"expected_cohort": 100, "noise_cohort": 1000, "noise_population": 342477}
+    assert {k: grid.base["privacy"][k] for k in emulation} == emulation
+    assert real.base["privacy"]["expected_cohort"] == 1000 and "noise_cohort" not in real.base["privacy"]
+    strip = lambda base: {**base, "checkpoint_every": None,  # noqa: E731
+                          "privacy": {k: v for k, v in base["privacy"].items() if k not in emulation}}
+    assert strip(real.base) == strip(grid.base)
