@@ -101,6 +101,15 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return range(2, self.num_nodes + 2) if self._partitions is None else list(self._partitions)
 
+    def partition_nodes(self) -> list[int]:
+        """The node id of each partition ``0..num_nodes-1``: this grid gives every node its ``partition-id``, so it
+        knows them without asking (:func:`~fedprivacy.fl.population.discover_nodes` then sends no identity query:
+        at 342,477 nodes the query alone took 20-140 s)."""
+        if self._partitions is None:
+            return list(range(2, self.num_nodes + 2))
+        node_of = {partition: node for node, partition in self._partitions.items()}
+        return [node_of[p] for p in range(self.num_nodes)]
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Queue messages; their ClientApps run when the replies are pulled."""
         messages = list(messages)

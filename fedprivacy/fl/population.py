@@ -142,7 +142,14 @@ def _listed(values: Sequence[int], shown: int = 10) -> str:
 def discover_nodes(grid: Grid, population: int, timeout: float = NODE_DISCOVERY_TIMEOUT_S,
                    settle: float = REGISTRATION_SETTLE_S) -> list[int]:
     """Node id of each client partition ``0..population-1`` (:func:`wait_for_population`, then each node
-    reports its ``partition-id``: :func:`node_identities`)."""
+    reports its ``partition-id``: :func:`node_identities`). A grid that assigns the partitions itself (fedprivacy's
+    in-process engine) says which node holds which with ``partition_nodes()``, and is not asked."""
+    own = getattr(grid, "partition_nodes", None)
+    if callable(own):
+        nodes = list(own())
+        if len(nodes) != population:
+            raise RuntimeError(f"the grid holds {len(nodes)} partitions, the run needs {population}")
+        return nodes
     node_ids = wait_for_population(grid, population, timeout, settle)
     identities = node_identities(grid, node_ids, timeout)
     partitions = range(population)

@@ -64,3 +64,18 @@ def test_prefetch_sees_the_whole_cohort_before_any_client_runs():
     assert events == [("prefetch", [2, 7, 0]), ("run", 2), ("run", 7), ("run", 0)]
     _send(grid, 3, "query")  # discovery queries need no data
     assert events[-1] == ("run", 1) and len(events) == 5
+
+
+def test_the_in_process_grid_names_its_nodes_partitions_so_discovery_asks_nothing():
+    """It gives each node its partition-id, so ``discover_nodes`` takes them from it: no identity query is sent
+    (an app without the identity answer still runs), and other node ids come back in partition order."""
+    import pytest
+
+    from fedprivacy.fl.population import discover_nodes
+
+    app = ClientApp()  # answers nothing: any message sent would be an error reply
+    assert discover_nodes(InProcessGrid(app, 5), 5) == [2, 3, 4, 5, 6]
+    grid = InProcessGrid(app, 3, node_ids=[40, 7, 19])
+    assert discover_nodes(grid, 3) == [40, 7, 19] and not grid._pending
+    with pytest.raises(RuntimeError, match="holds 3 partitions, the run needs 4"):
+        discover_nodes(grid, 4)
