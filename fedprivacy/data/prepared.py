@@ -15,6 +15,7 @@ identical to those of the in-memory build (``cache_root=None``), which returns p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,9 @@ import numpy as np
 from fedprivacy.data.cache import (StreamWriter, csr_arrays, csr_from_arrays, csr_index_dtype,
                                    load_or_build)
 from fedprivacy.data.next_word import FederatedTokenData, iter_token_rows, load_next_word
+from fedprivacy.data.on_demand import generated_population, generated_tag_rows
 from fedprivacy.data.sources import ExampleSource, file_identity
-from fedprivacy.data.tag_prediction import (FederatedTagData, NoTag, iter_tag_rows,
+from fedprivacy.data.tag_prediction import (FederatedTagData, NoTag, _ClientRows, assemble, iter_tag_rows,
                                             load_tag_prediction)
 from fedprivacy.data.views import sample_clients
 
@@ -72,10 +74,21 @@ def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tag
     config.update(task="tag", vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag)
     identities["tag_count"] = file_identity(source.tag_count)
 
+    def rows() -> Iterator[tuple[str, _ClientRows]]:
+        """The split's rows: decoded from the files, or drawn when the files are exactly what the generator wrote
+        (:func:`~fedprivacy.data.on_demand.generated_population`: the same rows without decoding)."""
+        clients = _select_ids(source, split, first, sample, seed)
+        population = generated_population(source)
+        if population is None:
+            return iter_tag_rows(source, source.word_count, source.tag_count, split, vocab_size=vocab_size,
+                                 num_tags=num_tags, no_tag=no_tag, clients=clients)
+        return generated_tag_rows(population, source, split, source.client_ids(split) if clients is None else clients,
+                                  vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag)
+
     def build() -> tuple[dict, dict]:
-        data = load_tag_prediction(source, source.word_count, source.tag_count, split,
-                                   vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag,
-                                   clients=_select_ids(source, split, first, sample, seed))
+        load_tag_prediction(source, source.word_count, source.tag_count, split, vocab_size=vocab_size,
+                            num_tags=num_tags, no_tag=no_tag, clients=[])  # the argument checks
+        data = assemble(list(rows()), vocab_size, num_tags)
         arrays = {**csr_arrays("features", data.features), **csr_arrays("tags", data.tags),
                   "labels": data.labels, "offsets": data.offsets,
                   "client_ids": np.array(data.client_ids, dtype=str)}
@@ -95,24 +108,20 @@ def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tag
             writer.append(f"{prefix}_indptr", np.zeros(1, np.int64))
         writer.append("labels", np.empty(0, np.int64))
         nnz = {"features": 0, "tags": 0}
-        for client, rows in iter_tag_rows(source, source.word_count, source.tag_count, split,
-                                          vocab_size=vocab_size, num_tags=num_tags,
-                                          no_tag=no_tag,
-                                          clients=_select_ids(source, split, first, sample,
-                                                              seed)):
+        for client, part in rows():
             ids.append(client)
-            sizes.append(len(rows.labels))
-            dropped += rows.dropped
+            sizes.append(len(part.labels))
+            dropped += part.dropped
             for prefix, row_nnz, columns, values in (
-                    ("features", rows.row_nnz, rows.columns, rows.values),
-                    ("tags", rows.tag_nnz, rows.tag_columns,
-                     np.ones(len(rows.tag_columns), np.float32))):
+                    ("features", part.row_nnz, part.columns, part.values),
+                    ("tags", part.tag_nnz, part.tag_columns,
+                     np.ones(len(part.tag_columns), np.float32))):
                 writer.append(f"{prefix}_data", values.astype(np.float32, copy=False))
                 writer.append(f"{prefix}_indices", columns.astype(np.int32, copy=False))
                 writer.append(f"{prefix}_indptr", nnz[prefix] + np.cumsum(row_nnz,
                                                                           dtype=np.int64))
                 nnz[prefix] += int(row_nnz.sum())
-            writer.append("labels", rows.labels.astype(np.int64, copy=False))
+            writer.append("labels", part.labels.astype(np.int64, copy=False))
         for prefix in ("features", "tags"):  # the in-memory build's index dtype rule
             writer.retype(f"{prefix}_indices", csr_index_dtype(nnz[prefix]))
             writer.retype(f"{prefix}_indptr", csr_index_dtype(nnz[prefix]))

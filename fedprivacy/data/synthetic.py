@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from fedprivacy.data.hdf5 import SPLIT_FILES, H5Writer
+from fedprivacy.data.sources import file_identity
 
 __all__ = ["SyntheticFiles", "generate", "SYNTHETIC_MARKER", "TFF_MIN_EXAMPLES",
            "TFF_MEAN_EXAMPLES"]
@@ -684,5 +685,13 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
     (out_dir / SYNTHETIC_MARKER).write_text(json.dumps(
         {"generator": __name__, "num_clients": num_clients, "seed": seed, "format": format,
          "min_examples": min_examples, "mean_examples": mean_examples,
-         "max_examples": max_examples}))
+         "max_examples": max_examples, "files": {path.name: written_identity(path) for path in targets}}))
     return files
+
+
+def written_identity(path: Path) -> dict[str, object]:
+    """What the marker records of a file it wrote: its size, mtime and the SHA-256 of its ends
+    (:func:`~fedprivacy.data.sources.file_identity` without the path, so a moved folder keeps it)."""
+    identity = file_identity(path)
+    del identity["path"]
+    return identity

@@ -18,7 +18,7 @@ from fedprivacy.data.sources import open_source
 from fedprivacy.data.stackoverflow import read_tag_counts, read_word_counts
 from fedprivacy.data.synthetic import (DEFAULT_MAX_EXAMPLES, TFF_MEAN_EXAMPLES, TFF_MIN_EXAMPLES, _sample, _world,
                                        generate)
-from fedprivacy.data.tag_prediction import FederatedTagData, assemble
+from fedprivacy.data.tag_prediction import FederatedTagData, assemble, load_tag_prediction
 from fedprivacy.experiments.heldout import _heldout_task
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
 
@@ -73,7 +73,8 @@ def test_count_files_of_a_small_population_are_the_stored_ones(stored, tmp_path)
 @pytest.mark.parametrize("split", ["train", "heldout", "test"])
 def test_rows_equal_the_stored_files_preprocessed(stored, split, no_tag) -> None:
     source = open_source("tff-sqlite", stored)
-    reference, _ = prepared_tags(source, split, vocab_size=VOCAB, num_tags=TAGS, no_tag=no_tag)
+    reference = load_tag_prediction(source, source.word_count, source.tag_count, split, vocab_size=VOCAB,
+                                    num_tags=TAGS, no_tag=no_tag)  # always decoded from the files
     rows = TagRows(SEED, source.word_count, source.tag_count, vocab_size=VOCAB, num_tags=TAGS, no_tag=no_tag)
     users = OnDemandTags(_population(), rows, num_clients=CLIENTS)
     if split == "train":
@@ -196,3 +197,59 @@ def test_a_run_on_the_real_sized_population(tmp_path, monkeypatch) -> None:
     provenance = data_provenance(cfg.data)
     assert provenance["source"] == "synthetic on demand" and provenance["generator"]["num_clients"] == 342_477
     assert not list((tmp_path / "data").rglob("*.sqlite"))
+
+
+# -- the files the generator wrote: preprocessed from its draws, not decoded ------------------------------
+@pytest.mark.parametrize("fmt", ["tff-sqlite", "tff-h5"])
+def test_files_the_generator_wrote_are_preprocessed_from_its_draws_to_the_same_rows(tmp_path, fmt, monkeypatch):
+    generate(tmp_path, num_clients=40, seed=SEED, format=fmt)
+    source = open_source(fmt, tmp_path)
+    assert on_demand.generated_population(source) == OnDemandPopulation(40, SEED, TFF_MIN_EXAMPLES, TFF_MEAN_EXAMPLES,
+                                                                        DEFAULT_MAX_EXAMPLES)
+    for split in ("train", "heldout", "test"):
+        for cache in (None, tmp_path / "cache"):
+            drawn, _ = prepared_tags(source, split, vocab_size=VOCAB, num_tags=TAGS, no_tag="drop", cache_root=cache,
+                                     first=7 if split == "train" else None)
+            _same(drawn, load_tag_prediction(source, source.word_count, source.tag_count, split, vocab_size=VOCAB,
+                                             num_tags=TAGS, no_tag="drop", max_clients=7 if split == "train" else None))
+    decoded = []
+    monkeypatch.setattr("fedprivacy.data.prepared.iter_tag_rows", lambda *a, **k: decoded.append(1) or iter(()))
+    prepared_tags(source, "train", vocab_size=VOCAB, num_tags=TAGS, no_tag="label0")
+    assert not decoded  # nothing decoded but the marker's check of the first client
+
+
+def test_changed_files_or_a_lying_marker_are_decoded(tmp_path):
+    import json
+    import os
+
+    generate(tmp_path, num_clients=20, seed=SEED)
+    source = open_source("tff-sqlite", tmp_path)
+    marker = tmp_path / "synthetic.json"
+    honest = json.loads(marker.read_text())
+    assert on_demand.generated_population(source) is not None
+    for lie in ({"seed": SEED + 1}, {"mean_examples": 300.0}, {"format": "tff-h5"}, {"files": None},
+                {"files": {}}, {"num_clients": "many"}):
+        marker.write_text(json.dumps({**honest, **lie}))
+        assert on_demand.generated_population(source) is None, lie
+    marker.write_text(json.dumps({k: v for k, v in honest.items() if k != "files"}))  # an older marker
+    assert on_demand.generated_population(source) is None
+    marker.write_text(json.dumps(honest))
+    stat = (tmp_path / "stackoverflow.sqlite").stat()
+    os.utime(tmp_path / "stackoverflow.sqlite", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched
+    assert on_demand.generated_population(source) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.sampled_from(["generator", "num_clients", "seed", "format", "min_examples",
+                                        "mean_examples", "max_examples", "files"]),
+                       st.one_of(st.none(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=5),
+                                 st.dictionaries(st.text(max_size=8), st.integers()))))
+def test_a_crafted_marker_is_never_trusted_and_never_crashes(tmp_path_factory, marker):
+    import json
+
+    folder = tmp_path_factory.mktemp("crafted")
+    (folder / "stackoverflow.word_count").write_text("a 1\n")
+    (folder / "stackoverflow.tag_count").write_text("{}")
+    (folder / "stackoverflow.sqlite").write_bytes(b"")
+    (folder / "synthetic.json").write_text(json.dumps(marker))
+    assert on_demand.generated_population(open_source("tff-sqlite", folder)) is None
