@@ -58,6 +58,8 @@ METRICS_COLUMNS: dict[str, tuple[bool, str]] = {
                                 "the clients' raw updates (central placement only)"),
     "update_norm_median": (False, "noise-free: the median L2 norm of the clients' raw updates, computed by the "
                                   "server (central placement only)"),
+    "clipped_mean_norm": (False, "noise-free: the L2 norm of the mean of the clipped raw updates before the noise "
+                                 "(the signal; central placement only)"),
     "client_epsilon_max": (False, "the largest client epsilon, from the clients' reported record-level events "
                                   "(their own data sizes)"),
     "cohort_sampled": (False, "the size of the sampled cohort, which the privacy analysis keeps hidden"),

@@ -192,11 +192,11 @@ def test_every_metrics_column_is_classified_and_the_raw_update_diagnostics_are_n
         assert columns["epsilon_rdp"]["private"] and not columns["train_loss"]["private"]
         assert columns["server_noise_std"]["private"] == (cfg.privacy.placement == "central")
     columns = json.loads((central.output_dir / "metrics_columns.json").read_text())["columns"]
-    for raw in ("clipped_fraction", "update_norm_median"):
+    for raw in ("clipped_fraction", "update_norm_median", "clipped_mean_norm"):
         assert columns[raw]["private"] is False and "raw updates" in columns[raw]["meaning"]
     assert columns["unclipped_fraction_released"]["private"] and columns["adambc_floored_fraction"]["private"]
     header = list(pd.read_csv(distributed.output_dir / "metrics.csv").columns)
-    assert "clipped_fraction" not in header and "update_norm_median" not in header  # the server never sees them
+    assert not {"clipped_fraction", "update_norm_median", "clipped_mean_norm"} & set(header)  # never seen there
 
 
 def test_a_column_nobody_classified_is_not_private():

@@ -57,7 +57,11 @@ class AggregationStats:
     norms: list[float] = field(default_factory=list)
     raw_updates: bool = True
     """Whether the server sees each update before any noise (central placement): only then are ``clipped`` and
-    ``norms`` kept and ``clipped_fraction`` and ``update_norm_median`` reported (noise-free, NOT private)."""
+    ``norms`` kept and ``clipped_fraction``, ``update_norm_median`` and ``clipped_mean_norm`` reported (noise-free,
+    NOT private)."""
+    clipped_mean_norm: float | None = None
+    """:math:`\lVert \sum_i \operatorname{clip}(u_i, C) \rVert / m` before the noise (the signal the noise,
+    of norm about :math:`z C \sqrt d / m`, is added to); set at the release."""
 
     def as_metrics(self) -> dict[str, float]:
         norms = torch.tensor(self.norms) if self.norms else torch.zeros(1)
@@ -67,6 +71,8 @@ class AggregationStats:
             **{f"rejected_{reason}": float(n) for reason, n in self.rejected.items()},
             **({"clipped_fraction": self.clipped / self.accepted if self.accepted else 0.0,
                 "update_norm_median": float(norms.median())} if self.raw_updates else {}),
+            **({"clipped_mean_norm": self.clipped_mean_norm}
+               if self.raw_updates and self.clipped_mean_norm is not None else {}),
         }
 
     def rejection_warnings(self) -> list[str]:
@@ -147,6 +153,9 @@ class PrivateSum:
             noise.prefetch_(self._sum)
 
     def release(self, noise: NoiseStream) -> torch.Tensor:
-        """``(sum + N(0, s^2 I)) / m`` with ``s = server_noise_std()``: the only value that leaves the mechanism."""
+        """``(sum + N(0, s^2 I)) / m`` with ``s = server_noise_std()``: the only value that leaves the mechanism.
+        Central placement also notes the noise-free mean's norm (:attr:`AggregationStats.clipped_mean_norm`)."""
+        if self.stats.raw_updates:
+            self.stats.clipped_mean_norm = float(torch.linalg.vector_norm(self._sum)) / self.expected_cohort
         noise.add_(self._sum, self.server_noise_std())
         return self._sum.div_(self.expected_cohort)

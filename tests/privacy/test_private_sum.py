@@ -122,6 +122,21 @@ def test_zero_noise_multiplier_is_deterministic():
     assert math.isfinite(float(s.stats.as_metrics()["update_norm_median"]))
 
 
+def test_the_signal_is_the_noise_free_clipped_mean_and_only_central_placement_reports_it():
+    s = _sum(noise_multiplier=2.0)
+    s.add_(SparseUpdate.dense(torch.full((6,), 10.0)))  # clipped to C
+    s.add_(SparseUpdate.dense(torch.tensor([0.1, 0, 0, 0, 0, 0])))
+    clipped = torch.full((6,), 10.0) * (10.0 / 600.0 ** 0.5) + torch.tensor([0.1, 0, 0, 0, 0, 0])
+    released = s.release(GaussianNoise(0))
+    want = float(clipped.norm()) / 4.0
+    assert s.stats.as_metrics()["clipped_mean_norm"] == pytest.approx(want, rel=1e-5)  # float32 clip
+    assert float(released.norm()) != pytest.approx(want, rel=1e-3)  # the release carries noise, the metric none
+    distributed = PrivateSum(6, clip_norm=10.0, noise_multiplier=2.0, expected_cohort=4.0, placement="distributed")
+    distributed.add_(SparseUpdate.dense(torch.ones(6)))
+    distributed.release(GaussianNoise(0))
+    assert "clipped_mean_norm" not in distributed.stats.as_metrics()
+
+
 def test_sparse_update_equals_its_dense_vector():
     idx, vals = torch.tensor([0, 3, 5]), torch.tensor([3.0, 4.0, 12.0])  # norm 13
     dense = SparseUpdate(idx, vals.clone(), 6).to_dense()
