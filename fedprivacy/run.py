@@ -20,6 +20,7 @@ from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.outputs import require_checkpoint, run_lock
 from fedprivacy.stackoverflow_tasks import ensure_data, load_task
+from fedprivacy.stopping import stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ def run(cfg: RunConfig, resume: bool = False,
     The run holds ``cfg.output_dir``'s lock throughout: a second run into the folder is refused
     (:class:`~fedprivacy.locks.FolderBusyError` naming this one's pid, host and start time). A
     ``device`` this machine lacks is refused first (:class:`~fedprivacy.devices.DeviceUnavailableError`).
+
+    SIGTERM stops the run after its current round with a checkpoint (:mod:`fedprivacy.stopping`: raises
+    :class:`~fedprivacy.stopping.RunStopped`; resuming loses nothing).
     """
     check_run_device(cfg)
     if resume:
@@ -41,7 +45,7 @@ def run(cfg: RunConfig, resume: bool = False,
         torch.set_num_threads(cfg.num_threads)
     started = time.time()
     ensure_data(cfg.data)
-    with run_lock(cfg.output_dir):
+    with run_lock(cfg.output_dir), stop_on_sigterm():
         task = load_task(cfg.data)
         server_app, client_app = build_server_app(cfg, resume, on_round), build_client_app(cfg)
         if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead

@@ -100,6 +100,12 @@ MUTATIONS = [
  ("fedprivacy/privacy/mechanism.py", "        schedule = self.sampler if self._claim_schedule is None else self._claim_schedule\n", "        schedule = self.sampler\n", "tests/privacy/test_correlated_noise.py -k emulation_accounts"),
  ("fedprivacy/privacy/mechanism.py", "                and noise_cohort * groups > self.claim_population:", "                and False:", "tests/privacy/test_correlated_noise.py -k too_small_for_its_groups"),
  ("fedprivacy/fl/server_app.py", "                                     noise_cohort=p.noise_cohort, noise_population=p.noise_population)", "                                     )", "tests/privacy/test_cohort_emulation.py -k calibrat"),
+ # the round audit judges the run by what its ledger reports
+ ("fedprivacy/audit.py", "    claimed = min(reported, of_release)", "    claimed = of_release", "tests/privacy/test_audit.py -k judges_a_stream"),
+ ("fedprivacy/audit.py", "        return GaussianRound(noise_multiplier, \"none\", self.population, float(self.population))", "        return GaussianRound(noise_multiplier, \"poisson\", self.population, 1.0)", "tests/privacy/test_audit.py -k judges_a_stream"),
+ # a stop between rounds checkpoints every release made
+ ("fedprivacy/fl/server_app.py", "            if stop_requested() and self.strategy.round < self.cfg.rounds:", "            if False:", "tests/engine/test_graceful_stop.py -k bit_identically"),
+ ("fedprivacy/fl/server_app.py", "                self.outputs.save_checkpoint(self.state_dict())\n                raise RunStopped", "                raise RunStopped", "tests/engine/test_graceful_stop.py -k bit_identically"),
 ]
 
 for path, old, new, test in MUTATIONS:

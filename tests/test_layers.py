@@ -13,6 +13,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.updates": (),  # the update a client sends and why a reply is rejected
     "fedprivacy.task": (),  # the Task protocol
     "fedprivacy.locks": (),
+    "fedprivacy.stopping": (),  # a stop between rounds, asked by SIGTERM
     "fedprivacy.lazy_exports": (),  # the packages' re-exports, imported on first use
     "fedprivacy.privacy": ("fedprivacy.updates", "fedprivacy.lazy_exports"),  # core: no config, no Flower
     "fedprivacy.optim": ("fedprivacy.privacy",),
@@ -24,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.devices": ("fedprivacy.config",),
     "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks"),
     "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task"),
-    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs"),  # Flower
+    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs", "fedprivacy.stopping"),  # Flower
     "fedprivacy.engines": ("fedprivacy.fl",),
     "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),
     "fedprivacy.audit": ("fedprivacy.engines",),

@@ -10,7 +10,9 @@ Layout of a study's ``output_dir``::
 Resume: a run whose ``summary.json`` is complete is skipped; any other run is started with
 ``run(cfg, resume=True)`` when it has a ``checkpoint.pt``, which continues from it (model, optimizer,
 sampler, noise generator and privacy ledger as they were), or fresh when there is none. Rerunning the
-same study therefore continues an interrupted sweep. A study whose runs' configs changed since
+same study therefore continues an interrupted sweep. Stopping the sweep (Ctrl-C, or SIGTERM to it) sends
+SIGTERM to each worker, whose run finishes its round, checkpoints and returns (:mod:`fedprivacy.stopping`), so
+nothing is lost; a worker not done within :data:`STOP_GRACE_S` (or on a second Ctrl-C) is killed. A study whose runs' configs changed since
 ``study.json`` was written is refused (:class:`StudyChangedError`); new runs (an extra seed, method
 or grid value) are added.
 
@@ -50,6 +52,7 @@ from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
 from fedprivacy.locks import FolderBusyError, locked
 from fedprivacy.outputs import CHECKPOINT, load_checkpoint, run_lock
+from fedprivacy.stopping import RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ MANIFEST = "study.json"
 RUN_RECORD = "sweep_run.json"
 ERROR_FILE = "error.txt"
 MANIFEST_VERSION = 1
+STOP_GRACE_S = 120.0  # how long a stopping sweep waits for its runs to finish their round and checkpoint
 
 
 class StudyChangedError(ValueError):
@@ -214,6 +218,9 @@ def execute(run_id: str, config_json: str) -> dict[str, Any]:
             record["attempts"].append({"start_round": checkpoint_round(folder), "wall_seconds": None})
             _write_record(folder, record)
             summary = run(cfg, resume=(folder / CHECKPOINT).exists())
+        except RunStopped:  # the sweep is stopping: checkpointed after a whole round, resumes with nothing lost
+            return {"run_id": run_id, "status": "failed",
+                    "error": "stopped on request (SIGTERM) after a whole round, checkpointed: rerun the sweep to resume it"}
         except BaseException as err:  # noqa: BLE001 - reported to the parent, which carries on
             (folder / ERROR_FILE).write_text(traceback.format_exc())
             logging.getLogger(__name__).exception("run %s failed", run_id)
@@ -265,6 +272,24 @@ def _single_threaded_children() -> Iterator[None]:
 
 def _terminate(signum, frame):  # SIGTERM: stop like Ctrl-C (workers stopped, folder resumable)
     raise KeyboardInterrupt
+
+
+def _stop_workers(pools: list[ProcessPoolExecutor], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM each worker: its run finishes the round in progress, writes a checkpoint and returns
+    (:mod:`fedprivacy.stopping`: nothing is lost); a worker still alive after ``grace_s`` (or on a second
+    Ctrl-C) is killed, and its run resumes from its last checkpoint with the releases after it spent."""
+    processes = [p for pool in pools for p in (getattr(pool, "_processes", None) or {}).values()]  # no public API
+    for process in processes:  # before 3.14
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    try:
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
 
 
 def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: bool | None = None) -> SweepResult:
@@ -363,11 +388,8 @@ def _run_parallel(study: StudyConfig, specs: list[RunSpec], todo: list[RunSpec],
                         (result.done if outcome["status"] == "done" else result.skipped).append(rid)
                     progress.finished(rid, outcome["status"], outcome.get("summary"), outcome.get("error"))
                 progress.poll(lambda rid: rounds_logged(run_dir(study, rid)))
-    except BaseException:  # Ctrl-C, SIGTERM: stop the running runs now (rerunning resumes them)
-        for _, pool in running.values():
-            for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
-                if process.is_alive():
-                    process.terminate()
+    except BaseException:  # Ctrl-C, SIGTERM: stop the running runs (rerunning resumes them)
+        _stop_workers([pool for _, pool in running.values()])
         raise
     finally:
         for pool in [*idle, *(pool for _, pool in running.values())]:

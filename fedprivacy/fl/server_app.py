@@ -48,6 +48,7 @@ from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory, p
 from fedprivacy.privacy.noise import GaussianNoise, stream_name, torch_seed
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
+from fedprivacy.stopping import RunStopped, stop_requested
 from fedprivacy.task import Task
 
 log = logging.getLogger(__name__)
@@ -294,6 +295,10 @@ class DPFedAvgServer:
             if not self._run_round(grid, k):
                 stop_reason = "privacy_budget"
                 break
+            if stop_requested() and self.strategy.round < self.cfg.rounds:
+                self.outputs.save_checkpoint(self.state_dict())
+                raise RunStopped(f"stopped on request after round {self.strategy.round}; its checkpoint holds every "
+                                 "release: --resume continues with nothing lost")
             k += 1
         self.outputs.save_model("final_model.pt", self._model_state())
         self.outputs.save_checkpoint(self.state_dict())

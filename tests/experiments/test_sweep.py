@@ -20,6 +20,7 @@ from fedprivacy.experiments.sweep import (StudyChangedError, SweepBusyError, Swe
                                          run_state, run_sweep)
 from fedprivacy.experiments import sweep
 from fedprivacy.locks import locked
+from fedprivacy.outputs import CHECKPOINT, load_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,36 @@ def test_killed_sweep_restarts_where_it_stopped_and_matches_an_uninterrupted_one
         keep_k, keep_c = (~t["run_id"].isin(rekeyed) if rekeyed else slice(None) for t in (killed[name], clean[name]))
         pd.testing.assert_frame_equal(killed[name][keep_k].reset_index(drop=True),
                                       clean[name][keep_c].reset_index(drop=True), check_exact=True, obj=name)
+
+
+def test_sigterm_stops_a_sweep_between_rounds_with_nothing_lost(tiny_study):
+    """SIGTERM to the sweep: each running run finishes its round and checkpoints (none is scheduled before the
+    end here), so the rerun completes every run's 12 rounds within its budget, where a killed run would have
+    spent releases past its last checkpoint and stopped short of them."""
+    path = tiny_study(base={**load_study(tiny_study()).base, "rounds": 12, "checkpoint_every": 1000})
+    study = load_study(path)
+    runs = Path(study.output_dir) / "runs"
+    proc = subprocess.Popen(_cli(str(path), "--jobs", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any(2 <= rounds_logged(runs / s.run_id) <= 8 for s in expand(study) if (runs / s.run_id).is_dir()):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    stopped = [s.run_id for s in expand(study) if run_state(runs / s.run_id) == "partial"]
+    assert stopped
+    for rid in stopped:  # the checkpoint holds every round logged and every release made
+        saved = load_checkpoint(runs / rid / CHECKPOINT)
+        assert len(saved["metrics"]) == rounds_logged(runs / rid) > 0
+        assert max(e["release"] for e in ReleaseLog(runs / rid).entries) == len(saved["metrics"])
+    done = subprocess.run(_cli(str(path), "--jobs", "2"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for s in expand(study):
+        summary = json.loads((runs / s.run_id / "summary.json").read_text())
+        assert (summary["rounds_completed"], summary["releases"], summary["stop_reason"]) == (12, 12, "rounds")
 
 
 _ORPHAN_PARENT = """

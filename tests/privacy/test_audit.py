@@ -12,6 +12,9 @@ from fedprivacy.config import build_config
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.audit_stats import (best_threshold, clopper_pearson_upper, epsilon_lower_bound, gaussian_fit,
                                             gdp_delta, gdp_epsilon)
+from fedprivacy.privacy.noise import GaussianNoise
+from fedprivacy.run import run
+from fedprivacy.stackoverflow_tasks import load_task
 
 TRIALS = 200
 # 2,010 parameters, cohort 4, z = 2 (one-round claim 1.99 under PLD at delta 1e-5, mu = 0.5). Adam with
@@ -120,6 +123,36 @@ def test_audit_fails_every_broken_server(variant, overrides, trials):
     if variant == "noise_off":  # unbounded, written as strict JSON
         assert report.epsilon_lower_bound == math.inf and report.as_dict()["ratio_to_claim"] == "inf"
         json.loads(json.dumps(report.as_dict()), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+
+
+class UnderstatedNoise(GaussianNoise):
+    """BROKEN on purpose: a plug-in stream that adds noise for z/4 while its event (the inherited one: the
+    sampler's Gaussian of multiplier z) accounts z."""
+
+    def std_factor(self, release: int) -> float:
+        return 0.25
+
+
+def test_the_audit_judges_a_stream_by_the_epsilon_its_run_reports(small_config):
+    """The claim comes from the round's ledger: a stream that under-states its noise in its event passes a claim
+    taken from its own std factor, and fails the one the run reports."""
+    spec = f"privacy.noise_stream={__name__}:UnderstatedNoise"
+    cfg = small_config("rounds=2", spec)
+    summary = run(cfg)  # the run reports the event (z), not the noise it added (z / 4)
+    accounted = GaussianRound(cfg.privacy.noise_multiplier, "poisson", load_task(cfg.data).population,
+                              float(cfg.privacy.expected_cohort))
+    assert summary["epsilon_rdp"] == pytest.approx(epsilon(PrivacyLedger([(accounted, 2)]), summary["delta"], "rdp"))
+    report = run_audit(_cfg(spec), trials=50)
+    assert report.epsilon_reported == pytest.approx(1.99, abs=0.01)  # the event: z = 2, one round, unamplified
+    assert report.epsilon_of_release > 4 * report.epsilon_reported  # the noise actually added: z / 4
+    assert report.epsilon_claimed == report.epsilon_reported
+    assert not report.passed and report.epsilon_lower_bound > report.epsilon_reported
+
+
+def test_the_correct_stream_meets_both_claims():
+    report = run_audit(_cfg(), trials=20)
+    assert report.epsilon_reported == pytest.approx(report.epsilon_of_release, rel=1e-9)
+    assert report.epsilon_claimed == report.epsilon_reported
 
 
 def test_audit_command_exit_status(tmp_path, capsys):
