@@ -1,4 +1,4 @@
-"""DP-FedAvg on the issue-"Speed" workload as a bare PyTorch loop: no Flower, no fedprivacy objects
+"""DP-FedAvg on the tag-round workload as a bare PyTorch loop: no Flower, no fedprivacy objects
 (only its two clipping functions, pure torch math: the exact clip every engine must apply).
 
 The practical limit for the in-process engine on this machine: the same math with nothing around

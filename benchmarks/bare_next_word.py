@@ -1,4 +1,4 @@
-"""DP-FedAvg on the next-word workload (issue 24) as a bare PyTorch loop: no Flower, no fedprivacy objects
+"""DP-FedAvg on the next-word workload as a bare PyTorch loop: no Flower, no fedprivacy objects
 (only its clipping functions, pure torch math: the exact clip every engine must apply).
 
 The practical limit for the in-process engine: the same math with nothing around it. Per round,

@@ -1,4 +1,4 @@
-"""Where one client's time goes on the issue-"Speed" workload: the ClientApp, its local SGD, and
+"""Where one client's time goes on the tag-round workload: the ClientApp, its local SGD, and
 the server's decode + clip + accumulate of its reply (one process, torch 1 thread).
 
     python benchmarks/client_costs.py [--data data/synthetic] [--clients 100] [--repeat 4]

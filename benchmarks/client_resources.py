@@ -1,4 +1,4 @@
-"""Per-client resources on a real Flower deployment, one row per client optimizer (issue "deployment", item 4).
+"""Per-client resources on a real Flower deployment, one row per client optimizer.
 
 Each variant runs ``fedprivacy deploy local`` (a SuperLink and ``--supernodes`` SuperNodes as OS
 processes, plaintext for speed: TLS does not change the ClientApp's work) for ``--rounds`` rounds

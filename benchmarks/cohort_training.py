@@ -1,4 +1,4 @@
-"""Cohorts trained together vs one at a time: local SGD milliseconds per client (issue 24, item 3).
+"""Cohorts trained together vs one at a time: local SGD milliseconds per client.
 
     python benchmarks/cohort_training.py [--cohorts 10 100 1000] [--lstm-cohorts 10] [--repeat 5]
                                          [--run-cohorts 100 1000]

@@ -1,4 +1,4 @@
-"""Correlated noise (issue 31): per-release time and memory of each noise stream vs independent noise.
+"""Correlated noise: per-release time and memory of each noise stream vs independent noise.
 
 At ``--d`` float32 coordinates on the CPU (default 5,000,500, the tag task's model), for independent noise
 (:class:`~fedprivacy.privacy.noise.GaussianNoise`), the tree (horizon 1024), BandMF (4 and 16 bands) and BLT

@@ -1,4 +1,4 @@
-"""Correlated noise (issue 31): are the streams the mechanisms they claim to be? No training.
+"""Correlated noise: are the streams the mechanisms they claim to be? No training.
 
 Part (a), covariance. For each stream at a small horizon ``n`` the script draws ``2n`` releases (two
 horizons: the strategy restarts) on ``M`` float64 coordinates with ``std = z C std_factor(t)`` at ``z C = 1``,

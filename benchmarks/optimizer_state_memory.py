@@ -1,4 +1,4 @@
-"""Optimizer-state memory of the client optimizers: DP-MicroAdam vs DP-Adam (issue "deployment", item 4).
+"""Optimizer-state memory of the client optimizers: DP-MicroAdam vs DP-Adam.
 
 The paper (arXiv:2511.20509) states DP-MicroAdam is memory-frugal; notes/microadam.md §2 derives
 ~0.9 d bytes for its Algorithm 1 layout (4-bit EF, int16 indices + bf16 values in the ring) against

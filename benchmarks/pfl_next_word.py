@@ -1,4 +1,4 @@
-"""The next-word workload (issue 24) on pfl-research (``pfl`` 0.6), run in its own venv by ``so_next_word_round.py``.
+"""The next-word workload on pfl-research (``pfl`` 0.6), run in its own venv by ``so_next_word_round.py``.
 
 Equivalent DP-FedAvg: TFF's next-word LSTM (embedding 96, one LSTM layer of 670 units, projection
 670 -> 96, output 96 -> V + 4; the same PyTorch layers as fedprivacy's ``NextWordLSTM``), loss the

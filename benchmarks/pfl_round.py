@@ -1,4 +1,4 @@
-"""The issue-"Speed" workload on pfl-research (``pfl`` 0.6), run in its own venv by ``so_tag_round.py``.
+"""The tag-round workload on pfl-research (``pfl`` 0.6), run in its own venv by ``so_tag_round.py``.
 
 Equivalent DP-FedAvg: logistic regression 10,000 -> 500 as ``EmbeddingBag(sparse=True)`` (the
 model fedprivacy uses; fixed-length bags, padding entries have weight 0, so logits and gradients are

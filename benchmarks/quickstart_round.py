@@ -1,4 +1,4 @@
-"""Seconds per round of the QUICKSTART's own setting (issue 33): in-process vs the bare loop, one client at a time.
+"""Seconds per round of the QUICKSTART's own setting: in-process vs the bare loop, one client at a time.
 
 Workload: exactly ``configs/quickstart.yaml`` (the embedded default): synthetic StackOverflow tag
 prediction (``data/synthetic``, 1,000 users, 397 posts on average), logistic regression 10,000 -> 500,

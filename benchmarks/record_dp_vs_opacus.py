@@ -1,4 +1,4 @@
-"""Seconds per record-level DP-SGD step (issue 24, item 2): fedprivacy's client step vs Opacus's own ``make_private`` loop.
+"""Seconds per record-level DP-SGD step: fedprivacy's client step vs Opacus's own ``make_private`` loop.
 
 One step, both sides: Poisson-sample a batch (expected ``--batch`` records, Opacus's ``DPDataLoader``),
 per-record gradients, flat L2 clip of each to C, sum, add N(0, sigma^2 C^2) on every coordinate,

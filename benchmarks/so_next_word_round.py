@@ -1,4 +1,4 @@
-"""Seconds per DP-FedAvg round on next-word prediction (issue 24, item 1): in-process vs Ray, pfl-research, bare loop.
+"""Seconds per DP-FedAvg round on next-word prediction: in-process vs Ray, pfl-research, bare loop.
 
 Workload: synthetic StackOverflow next-word prediction from our generator (``data.task=next_word``,
 ``--clients`` users, at most 256 posts each: ``data.max_examples_per_client=256``), TFF's LSTM

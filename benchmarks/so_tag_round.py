@@ -1,4 +1,4 @@
-"""Seconds per DP-FedAvg round (issue "Speed"): the in-process engine vs Ray, pfl-research and a bare loop.
+"""Seconds per DP-FedAvg round: the in-process engine vs Ray, pfl-research and a bare loop.
 
 Workload (fixed, so results compare over time): synthetic StackOverflow tag prediction from our
 generator, logistic regression 10,000 -> 500 (5,000,500 parameters), exactly 100 clients per round
@@ -16,7 +16,7 @@ Measured, with the goals checked (exit status 1 if one is missed):
 3. in-process vs a bare PyTorch loop of the same math (``benchmarks/bare_loop.py``): within 1.25x;
 4. population independence: in-process at ``--full-data`` (342,477 users) within 10% of 1,000 users
    (each the fastest of ``--repeat`` measurements);
-5. cohort scaling (restated by issue 24): in-process seconds per client within 1.25x of the bare loop's
+5. cohort scaling (restated): in-process seconds per client within 1.25x of the bare loop's
    AT EACH cohort of ``--cohorts`` (default 10, 100, 1000). Each of ``--repeat`` repeats measures every
    cohort's in-process and bare runs back to back; the goal reads the median of those paired ratios
    (each pair is listed). The spread of per-client times across cohorts is reported for both (no goal):
