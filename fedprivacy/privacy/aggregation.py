@@ -60,7 +60,7 @@ class AggregationStats:
     ``norms`` kept and ``clipped_fraction``, ``update_norm_median`` and ``clipped_mean_norm`` reported (noise-free,
     NOT private)."""
     clipped_mean_norm: float | None = None
-    """:math:`\lVert \sum_i \operatorname{clip}(u_i, C) \rVert / m` before the noise (the signal the noise,
+    r""":math:`\lVert \sum_i \operatorname{clip}(u_i, C) \rVert / m` before the noise (the signal the noise,
     of norm about :math:`z C \sqrt d / m`, is added to); set at the release."""
 
     def as_metrics(self) -> dict[str, float]:
