@@ -157,7 +157,7 @@ def render_grid_table(s: StoredSummary) -> str:
 
 
 CLEAR_MARGIN = 2.0
-"""A difference of two methods' means is called clear when it exceeds this many standard errors of the
+r"""A difference of two methods' means is called clear when it exceeds this many standard errors of the
 difference over seeds, :math:`\sqrt{s_1^2/n_1 + s_2^2/n_2}` (sample stds :math:`s`, :math:`n` seeds each)."""
 
 

@@ -172,9 +172,10 @@ class DPFedAvg(Strategy):
         accountants: the epsilons reported each round.
         seed: None (default, a deployment's): cohort and noise from the OS's cryptographic source; an int:
             a reproducible simulation whose cohorts and noise anyone knowing the seed can rebuild.
-        noise_cohort, noise_population: large-cohort emulation (pfl-research's ``noise_cohort_size``): the
-            noise is scaled so that the epsilon is that of a deployment sampling ``noise_cohort`` of
-            ``noise_population``; it does NOT hold for this run (:class:`GaussianMechanism`).
+        noise_cohort: large-cohort emulation (pfl-research's ``noise_cohort_size``): the noise is scaled so
+            that the epsilon is that of a deployment sampling ``noise_cohort`` of ``noise_population``; it
+            does NOT hold for this run (:class:`GaussianMechanism`).
+        noise_population: the emulated deployment's population (with ``noise_cohort``), or None.
         device: where the model, the sum and the noise live.
         noise_stream: the server's noise across rounds (:class:`~fedprivacy.privacy.noise.NoiseStream`; default
             independent Gaussian noise each round), e.g. a correlated mechanism

@@ -111,7 +111,8 @@ class GaussianMechanism:
         sampling: ``"poisson"`` or ``"fixed"``.
         placement: who adds the noise (:mod:`.placement`).
         adaptive: adaptive clipping, or None for a fixed C.
-        noise_cohort, noise_population: large-cohort emulation (the claim's M and N'), or None.
+        noise_cohort: large-cohort emulation: the claim's cohort M, or None.
+        noise_population: large-cohort emulation: the claim's population N', or None.
         seed: None (default): noise and cohort from the OS's cryptographic source; an int: reproducible
             from it (a simulation).
         device: where the sum and the noise live.

@@ -1,6 +1,7 @@
 """Record-level DP via Opacus for any model in a stock Flower ClientApp (fedprivacy.fl.record_dp):
 the reply's metrics are the event Opacus accounted, DP-SGD without noise or clip is SGD on the same
-Poisson batches, the noise and batches do not come from the global RNG, and the README's client runs."""
+Poisson batches, the noise and batches do not come from the global RNG, and the documented client
+(docs/extending.md) runs."""
 
 import math
 import re
@@ -191,12 +192,12 @@ def test_dpfedavg_composes_each_clients_reported_event_over_its_rounds():
     assert len(eps) == 4 and all(v == pytest.approx(expected, rel=1e-9) for v in eps.values())
 
 
-def test_the_readme_record_dp_client_runs():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Record-level DP in your own ClientApp"):]
+def test_the_documented_record_dp_client_runs():
+    guide = (Path(__file__).parents[2] / "docs" / "extending.md").read_text()
+    section = guide[guide.index("## Record-level DP in your own ClientApp"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/extending.md", "exec"), namespace)
     reply = _call(namespace["app"], nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 2)))
     assert not reply.has_error(), reply.error
     event, steps, _ = event_from_metrics(reply.content["metrics"])
