@@ -123,6 +123,8 @@ def test_selection_options_apply(data_dir):
     for i in range(4):
         assert torch.equal(capped.client_data(i)[0], full.client_data(i)[0][:2])
     assert len(capped.test_labels) == 7 and capped.public_examples() is None
+    with pytest.raises(ConfigError, match="tfds.label"):
+        tfds_task("user_points", data_dir, client_feature="user", inputs=["x"], label="")
 
 
 def test_the_side_information_path_takes_the_public_pool_and_equals_it_by_hand(data_dir):
@@ -269,7 +271,8 @@ def test_crafted_field_values_are_accepted_only_in_their_syntax(field, value):
         cfg = build_config({"data": tree})
     except ConfigError as err:
         assert f"tfds.{field}" in str(err)
-        assert not (isinstance(value, str) and pattern.fullmatch(value) and value not in ("x",)) \
+        taken = ("x", "label", "user")  # the section's other features: a second use is refused
+        assert not (isinstance(value, str) and pattern.fullmatch(value) and value not in taken) \
             and not (value is None and nullable)
         return
     got = getattr(cfg.data.tfds, field)
