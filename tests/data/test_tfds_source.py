@@ -22,6 +22,7 @@ from fedprivacy.centralized import train_centralized  # noqa: E402
 from fedprivacy.cli import main  # noqa: E402
 from fedprivacy.config import ConfigError, build_config  # noqa: E402
 from fedprivacy.data.tfds_source import TFDSError, open_dataset  # noqa: E402
+from fedprivacy.data.views import sample_clients  # noqa: E402
 from fedprivacy.fl.side_information import SideInformationBroadcast  # noqa: E402
 from fedprivacy.optim.adadps import ADADPS_STREAM, rmsprop_preconditioner  # noqa: E402
 from fedprivacy.optim.sample_dp import SampleDPConfig  # noqa: E402
@@ -123,6 +124,11 @@ def test_selection_options_apply(data_dir):
     for i in range(4):
         assert torch.equal(capped.client_data(i)[0], full.client_data(i)[0][:2])
     assert len(capped.test_labels) == 7 and capped.public_examples() is None
+    sampled = tfds_task("user_points", data_dir, client_feature="user", inputs=["x", "meta/pixels"], label="label",
+                        input_scale=0.5, client_sample=3, client_sample_seed=1)
+    kept = sample_clients(full.population, 3, 1)
+    assert sampled.client_ids.tolist() == full.client_ids[kept].tolist()
+    assert torch.equal(sampled.client_data(2)[0], full.client_data(int(kept[2]))[0])
     with pytest.raises(ConfigError, match="tfds.label"):
         tfds_task("user_points", data_dir, client_feature="user", inputs=["x"], label="")
 
