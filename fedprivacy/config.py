@@ -47,6 +47,76 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no field takes inf or NaN
 
 
+TFDS_NAME = re.compile(r"[a-z][a-z0-9_]*(/[A-Za-z0-9_.\-]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?")
+"""A TFDS dataset name as ``tfds.builder`` takes it: ``name``, ``name/config``, either with ``:x.y.z``."""
+TFDS_SPLIT = re.compile(r"[A-Za-z0-9_\-]+(\[[-0-9:%a-z_()]*\])?(\+[A-Za-z0-9_\-]+(\[[-0-9:%a-z_()]*\])?)*")
+"""A TFDS split expression: names, optional slices (``train[:80%]``), joined with ``+``."""
+TFDS_FEATURE = re.compile(r"[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
+"""A feature of a TFDS dataset; ``/`` descends into a nested ``FeaturesDict``."""
+
+
+def _tfds_name(value: str) -> str:
+    if not TFDS_NAME.fullmatch(value):
+        raise ValueError("must be a TFDS dataset name: name, name/config or either with :x.y.z (e.g. mnist:3.0.1)")
+    return value
+
+
+def _tfds_split(value: str) -> str:
+    if not TFDS_SPLIT.fullmatch(value):
+        raise ValueError("must be a TFDS split such as train, test[:50%] or train[:10%]+validation")
+    return value
+
+
+def _tfds_feature(value: str) -> str:
+    if not TFDS_FEATURE.fullmatch(value):
+        raise ValueError("must be a feature name (a/b for a nested feature), letters, digits, _ and -")
+    return value
+
+
+TFDSSplit = Annotated[str, AfterValidator(_tfds_split)]
+TFDSFeature = Annotated[str, AfterValidator(_tfds_feature)]
+
+
+class TFDSConfig(_Section):
+    """A TensorFlow Datasets dataset already prepared in ``data_dir`` (never downloaded; :mod:`fedprivacy.tfds_task`).
+
+    Federated: one client per distinct value of ``client_feature`` in ``train_split``; evaluation on
+    ``test_split``; ``public_split`` (records disjoint from ``train_split``) is the public pool of AdaDPS's
+    side information and of centralized pre-training. Inputs: fixed-shape numeric ``Tensor`` features,
+    flattened and concatenated, times ``input_scale``; label: a scalar integer feature in ``[0, num_classes)``.
+    """
+
+    name: Annotated[str, AfterValidator(_tfds_name)]
+    """Dataset name as ``tfds.builder`` takes it (``mnist``, ``my_data/config``, ``mnist:3.0.1``)."""
+    data_dir: Path
+    """The TFDS data folder holding ``<name>/[<config>/]<version>/`` (what ``tfds build --data_dir`` wrote)."""
+    train_split: TFDSSplit = "train"
+    test_split: TFDSSplit = "test"
+    public_split: TFDSSplit | None = None
+    client_feature: TFDSFeature | None = None
+    """The scalar integer or string feature holding each record's user id."""
+    inputs: tuple[TFDSFeature, ...] = Field(min_length=1)
+    label: TFDSFeature
+    num_classes: int | None = Field(None, ge=2)
+    """Classes of ``label``; ``None``: a ``ClassLabel``'s own (required for a plain integer label)."""
+    input_scale: float = Field(1.0, gt=0.0)
+    """Inputs are multiplied by this (e.g. 1/255 for 8-bit pixel values)."""
+    hidden: int = Field(0, ge=0)
+    """0: logistic regression (softmax over ``num_classes``); > 0: an MLP with one hidden layer of this width."""
+
+    @model_validator(mode="after")
+    def _distinct_features(self) -> TFDSConfig:
+        roles = [("inputs", f) for f in self.inputs] + [("label", self.label)]
+        roles += [("client_feature", self.client_feature)] if self.client_feature is not None else []
+        seen: dict[str, str] = {}
+        for role, feature in roles:
+            if feature in seen:
+                raise ValueError(f"feature {feature!r} is named twice (data.tfds.{seen[feature]} and data.tfds.{role}): "
+                                 "the label and the user id must not be inputs")
+            seen[feature] = role
+        return self
+
+
 class DataConfig(_Section):
     """Where the StackOverflow files are, which task, and how clients and posts are selected."""
 
@@ -68,18 +138,23 @@ class DataConfig(_Section):
     """Use only the first ``max_clients`` training users (sorted ids); the population is this many."""
     max_test_examples: int | None = Field(None, ge=1)
     """Cap on pooled test examples used for evaluation (first ones in client order)."""
-    task: str = Field("tag", pattern=r"^(tag|tag_multilabel|next_word|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+    task: str = Field("tag", pattern=r"^(tag|tag_multilabel|next_word|classification|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
     """tag: single label (AdaDPS, softmax, accuracy); tag_multilabel: multi-hot over ``num_tags``
     (Reddi et al., sigmoid, recall@5); next_word: TFF's next-word prediction (LSTM, accuracy
-    without pad/OOV/EOS); or ``package.module:factory``, a user's task: ``factory(data_config)``
-    returns an object implementing :class:`fedprivacy.task.Task` (the data is then the user's)."""
-    source: Literal["tff-sqlite", "tff-h5", "synthetic"] = "tff-sqlite"
+    without pad/OOV/EOS); classification: a TFDS dataset's numeric features and integer label
+    (``source: tfds``, the task it implies); or ``package.module:factory``, a user's task:
+    ``factory(data_config)`` returns an object implementing :class:`fedprivacy.task.Task` (the data
+    is then the user's)."""
+    source: Literal["tff-sqlite", "tff-h5", "synthetic", "tfds"] = "tff-sqlite"
     """Example files in ``path``: ``stackoverflow.sqlite`` or TFF's legacy
     ``stackoverflow_{train,held_out,test}.h5``; or ``synthetic``: no example files, the synthetic
     population of ``synthetic_clients`` train users (seed ``synthetic_seed``) generated user by user
     on demand, identical to the stored synthetic data of that seed (tag tasks, natural view; needs
     ``max_test_examples``; the vocabulary's count files are written once under ``path``;
-    :mod:`fedprivacy.data.on_demand`)."""
+    :mod:`fedprivacy.data.on_demand`); or ``tfds``: a TensorFlow Datasets dataset prepared in
+    ``tfds.data_dir`` (section ``tfds``; :mod:`fedprivacy.tfds_task`)."""
+    tfds: TFDSConfig | None = None
+    """The TFDS dataset of ``source: tfds``: which dataset, splits and features."""
     view: Literal["natural", "adadps"] = "natural"
     """natural: each training user is a client, evaluation on the pooled ``test`` split;
     adadps: the first ``max_clients`` (default 400) training users, each split 80/20 by position
@@ -99,6 +174,35 @@ class DataConfig(_Section):
     """Cache preprocessed splits as memory-mapped arrays (rebuilt when an input file changes)."""
     cache_dir: Path | None = None
     """Cache folder (default: ``<path>/.fedprivacy-cache``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tfds_implies_classification(cls, data: Any) -> Any:
+        """``source: tfds`` trains ``task: classification`` unless the file names a task itself."""
+        if isinstance(data, dict) and data.get("source") == "tfds" and "task" not in data:
+            return {**data, "task": "classification"}
+        return data
+
+    @model_validator(mode="after")
+    def _tfds_options(self) -> DataConfig:
+        if self.source != "tfds":
+            if self.tfds is not None or self.task == "classification":
+                raise ValueError("data.tfds and data.task=classification need data.source=tfds")
+            return self
+        if self.tfds is None:
+            raise ValueError("data.source=tfds needs the data.tfds section (name, data_dir, client_feature, inputs, "
+                             "label)")
+        if self.task != "classification":
+            raise ValueError(f"data.source=tfds trains data.task=classification, got data.task={self.task!r}")
+        if self.tfds.client_feature is None:
+            raise ValueError("data.tfds.client_feature must name the feature holding the user id with "
+                             "data.source=tfds (one federated client per distinct value)")
+        unread = [f"data.{name}" for name in ("view", "public_clients", "generate_if_missing")
+                  if getattr(self, name) != type(self).model_fields[name].default]
+        if unread:
+            raise ValueError(f"data.source=tfds does not read {', '.join(unread)} (the public pool is "
+                             "data.tfds.public_split)")
+        return self
 
     @model_validator(mode="after")
     def _on_demand_options(self) -> DataConfig:
@@ -206,7 +310,8 @@ class AdaDPSConfig(_Section):
     refresh_every: int | None = Field(None, ge=1)
     """rmsprop: re-estimate A at the current (released) model every this many rounds; None: once."""
     precondition_bias: bool = False
-    """Divide the bias gradient too (rmsprop only; the frequency rules have no A for the bias)."""
+    """Divide the bias gradients too (every parameter named ``bias`` or ``*.bias``; rmsprop only: the frequency
+    rules have no A for the bias)."""
 
     @model_validator(mode="after")
     def _settings_apply(self) -> AdaDPSConfig:
@@ -638,10 +743,17 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _client_methods_fit_the_run(self) -> RunConfig:
         a = self.client.adadps
-        if a is not None and self.data.task not in ("tag", "tag_multilabel"):
+        if a is not None and self.data.source == "tfds":
+            if a.source != "rmsprop":
+                raise ValueError(f"client.adadps.source={a.source!r} is a rule over word indices; with data.source=tfds "
+                                 "use client.adadps.source=rmsprop (one A per coordinate, from the public pool)")
+            if self.data.tfds.public_split is None:
+                raise ValueError("client.adadps.source='rmsprop' estimates A on the public pool: set "
+                                 "data.tfds.public_split (records disjoint from data.tfds.train_split)")
+        elif a is not None and self.data.task not in ("tag", "tag_multilabel"):
             raise ValueError(f"client.adadps needs a bag-of-words task (data.task: tag or tag_multilabel; its A "
                              f"preconditions the word-indexed weight), got data.task={self.data.task!r}")
-        if a is not None and a.needs_public_pool and self.data.public_clients == 0:
+        elif a is not None and a.needs_public_pool and self.data.public_clients == 0:
             raise ValueError(f"client.adadps.source={a.source!r} estimates A on the public pool: set "
                              "data.public_clients > 0 (held-out users, never training clients)")
         if self.client.compression is not None and self.privacy.placement != "central":

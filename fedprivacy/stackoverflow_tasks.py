@@ -93,8 +93,9 @@ def may_generate(cfg: DataConfig) -> bool:
 
 def ensure_data(cfg: DataConfig) -> None:
     """Generate the synthetic data set if it is missing and allowed (:func:`may_generate`); otherwise
-    name what is missing. A user's task brings its own data."""
-    if is_user_task(cfg):
+    name what is missing. A user's task brings its own data; a TFDS dataset is checked when it is read
+    (:mod:`fedprivacy.tfds_task`: never generated, never downloaded)."""
+    if is_user_task(cfg) or cfg.source == "tfds":
         return
     if cfg.source == "synthetic":
         count_files(on_demand_population(cfg), cfg.path)  # written once, then reused
@@ -116,7 +117,12 @@ def ensure_data(cfg: DataConfig) -> None:
 def data_provenance(cfg: DataConfig) -> dict[str, Any]:
     """Where a run's data came from, for ``summary.json``: the source format, the folder, whether the
     files are synthetic (with the generator's arguments, from :data:`SYNTHETIC_MARKER`) and each data
-    file's identity (:func:`~fedprivacy.data.sources.file_identity`: size, mtime, SHA-256 of its ends)."""
+    file's identity (:func:`~fedprivacy.data.sources.file_identity`: size, mtime, SHA-256 of its ends);
+    a TFDS dataset's: :func:`~fedprivacy.tfds_task.tfds_provenance`."""
+    if cfg.source == "tfds":
+        from fedprivacy.tfds_task import tfds_provenance  # tensorflow-datasets, on demand
+
+        return tfds_provenance(cfg)
     if is_user_task(cfg):
         return {"source": "user task", "task": cfg.task}
     if cfg.source == "synthetic":
@@ -199,6 +205,8 @@ class _BagOfWordsTask:
         public: The public pool (held-out users), or None.
     """
 
+    public_split = "heldout"
+    """The split of the public pool (side information's provenance)."""
     train: FederatedTagData
     partition: Partition
     test_features: sp.csr_matrix
@@ -492,7 +500,7 @@ BUILTIN_TASKS = ("tag", "tag_multilabel", "next_word")
 
 def is_user_task(cfg: DataConfig) -> bool:
     """Whether ``data.task`` names a user's task (``package.module:factory``), whose data is the user's."""
-    return cfg.task not in BUILTIN_TASKS
+    return cfg.task not in (*BUILTIN_TASKS, "classification")
 
 
 def _user_task(cfg: DataConfig) -> Task:
@@ -513,6 +521,10 @@ def _user_task(cfg: DataConfig) -> Task:
 @functools.lru_cache(maxsize=2)
 def load_task(cfg: DataConfig) -> Task:
     """Load (once per process and config) the task ``cfg.task``: client views, evaluation set, public pool."""
+    if cfg.source == "tfds":
+        from fedprivacy.tfds_task import load_tfds_task  # tensorflow-datasets, on demand
+
+        return load_tfds_task(cfg)
     if is_user_task(cfg):
         return _user_task(cfg)
     if cfg.source == "synthetic":

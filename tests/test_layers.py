@@ -24,7 +24,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.config": ("fedprivacy.optim",),  # the typed config checks against privacy/ and optim/
     "fedprivacy.devices": ("fedprivacy.config",),
     "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks"),
-    "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task"),
+    "fedprivacy.tfds_task": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client"),
+    "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task",
+                                       "fedprivacy.tfds_task"),
     "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs", "fedprivacy.stopping"),  # Flower
     "fedprivacy.engines": ("fedprivacy.fl",),
     "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),

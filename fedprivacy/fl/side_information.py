@@ -42,17 +42,19 @@ log = logging.getLogger(__name__)
 RECORD, VERSION = "adadps", "adadps-version"
 
 
-def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int, word_count_path: Path | None,
+def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int | None, word_count_path: Path | None,
                            public: tuple[sp.csr_matrix, Any] | None, model: nn.Module,
                            loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], seed: int,
-                           released_round: int) -> SideInformation:
+                           released_round: int, public_split: str = "heldout") -> SideInformation:
     """``A`` for ``cfg.source`` from public inputs only (see the module docstring), scaled by ``cfg.scale``.
 
     Args:
         cfg: the ``client.adadps`` section.
-        vocab_size: V (word ``j`` is vocabulary index ``j``, most frequent first).
+        vocab_size: V (word ``j`` is vocabulary index ``j``, most frequent first); None for ``rmsprop``, the
+            one source without word indices (any task with a public pool, e.g. a TFDS dataset's).
         word_count_path: TFF's ``stackoverflow.word_count`` (``frequency`` with ``statistics: word_count``).
-        public: the public pool's ``(features, targets)`` (held-out users), or None.
+        public: the public pool's ``(features, targets)`` (held-out users, or a TFDS public split), or None.
+        public_split: the pool's split, for the provenance.
         model: the RELEASED model ``x_t`` (``rmsprop``); its weights are not changed.
         loss_fn: the task's batch-mean loss (``rmsprop``).
         seed: the run seed (the public batches' order).
@@ -66,7 +68,7 @@ def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int, word_count_pat
     def pool() -> tuple[sp.csr_matrix, Any]:
         if public is None or public[0].shape[0] == 0:
             raise ValueError(f"client.adadps.source={cfg.source!r} needs a non-empty public pool (data.public_clients)")
-        provenance["public_pool"] = {"split": "heldout", "posts": int(public[0].shape[0])}
+        provenance["public_pool"] = {"split": public_split, "posts": int(public[0].shape[0])}
         return public
 
     if cfg.source == "ones":
@@ -89,7 +91,7 @@ def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int, word_count_pat
                                  np.random.default_rng(np.random.SeedSequence([seed, ADADPS_STREAM, released_round])))
         v = second_moments(model, batches, loss_fn, estimator=cfg.estimator, beta=cfg.beta)
         tensors = {name: rmsprop_preconditioner(moment, cfg.eps, cfg.eps_inside_sqrt).detach().cpu()
-                   for name, moment in v.items() if name != "bias" or cfg.precondition_bias}
+                   for name, moment in v.items() if cfg.precondition_bias or name.rpartition(".")[2] != "bias"}
     return SideInformation({name: cfg.scale * t for name, t in tensors.items()}, provenance)
 
 
@@ -113,10 +115,12 @@ class SideInformationBroadcast:
                                         and completed_rounds % a.refresh_every == 0))
         if not due:
             return False
-        side = build_side_information(a, vocab_size=self.task.train.vocab_size,
-                                      word_count_path=word_count_file(self.cfg.data),
+        words = a.source != "rmsprop"  # the rules with one A per vocabulary word (bag-of-words tasks only)
+        side = build_side_information(a, vocab_size=self.task.train.vocab_size if words else None,
+                                      word_count_path=word_count_file(self.cfg.data) if words else None,
                                       public=self.task.public_examples(), model=model, loss_fn=self.task.loss,
-                                      seed=self.cfg.seed, released_round=completed_rounds)
+                                      seed=self.cfg.seed, released_round=completed_rounds,
+                                      public_split=self.task.public_split)
         self._set(side, completed_rounds)
         self.builds.append(side.summary())
         log.info("AdaDPS side information (%s) estimated at round %d, sha256 %s", a.source, completed_rounds,
