@@ -7,8 +7,11 @@ any Flower ServerApp (:class:`DPFedAvg`), its mechanism (:class:`GaussianMechani
 (:func:`answer_identity_query`); SecAgg+ with distributed Skellam noise
 (:class:`SecureAggregation` for ``DPFedAvg(secure_aggregation=...)``, :func:`secure_aggregation_mod` for any ClientApp); record-level DP in any ClientApp
 (:func:`make_record_dp`, read on the server by :func:`event_from_metrics`); :class:`AdaDPSOptimizer`;
-fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements.
-Each is imported when first used, so ``import fedprivacy`` stays light.
+fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements; the
+extension interfaces of the privacy core (their docstrings say how to implement one): the server's noise
+:class:`NoiseStream` (default :class:`GaussianNoise`) and the :class:`AccountedEvent` a release is accounted as
+(:func:`register_event`). Each is imported when first used, so ``import fedprivacy`` stays light (the strategy
+loads no config, run folder, pandas or YAML: ``tests/test_public_api.py``).
 
 Layers (imports point downward only; ``tests/test_layers.py``): ``cli`` -> ``experiments``/``run``/``audit``/
 ``deploy`` -> ``engines`` -> ``fl`` (Flower) -> the StackOverflow tasks -> ``config`` -> core (``client``,
@@ -28,13 +31,16 @@ if TYPE_CHECKING:
     from fedprivacy.optim.adadps import AdaDPSOptimizer
     from fedprivacy.privacy.client_ledgers import event_from_metrics
     from fedprivacy.privacy.correlated import CorrelatedMechanism
+    from fedprivacy.privacy.events import AccountedEvent, register_event
     from fedprivacy.privacy.mechanism import GaussianMechanism
+    from fedprivacy.privacy.noise import GaussianNoise, NoiseStream
     from fedprivacy.task import Task
 
 __version__ = "0.1.0"
 
 __all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
-           "make_record_dp", "answer_identity_query", "SecureAggregation", "secure_aggregation_mod", "run_inprocess", "topk_uplink_mod"]
+           "make_record_dp", "answer_identity_query", "SecureAggregation", "secure_aggregation_mod", "run_inprocess", "topk_uplink_mod",
+           "AccountedEvent", "GaussianNoise", "NoiseStream", "register_event"]
 
 __getattr__ = lazy_exports(__name__, {
     "CorrelatedMechanism": "fedprivacy.privacy.correlated",
@@ -50,4 +56,8 @@ __getattr__ = lazy_exports(__name__, {
     "secure_aggregation_mod": "fedprivacy.fl.secure_aggregation",
     "run_inprocess": "fedprivacy.engines.inprocess",
     "topk_uplink_mod": "fedprivacy.fl.mods",
+    "AccountedEvent": "fedprivacy.privacy.events",
+    "GaussianNoise": "fedprivacy.privacy.noise",
+    "NoiseStream": "fedprivacy.privacy.noise",
+    "register_event": "fedprivacy.privacy.events",
 })

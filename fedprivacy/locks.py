@@ -24,6 +24,9 @@ try:
 except ImportError:  # pragma: no cover - not on Linux/macOS: no locks, the rest works
     fcntl = None  # type: ignore[assignment]
 
+LOCK_FILE = ".lock"
+"""The lock file of a folder that one writer holds at a time: a run's ``output_dir``, a strategy's ``state_dir``."""
+
 _held: set[Path] = set()  # lock files this process holds
 
 

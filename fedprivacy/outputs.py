@@ -20,12 +20,9 @@ Layout of ``output_dir``::
 from __future__ import annotations
 
 import csv
-import errno
 import json
 import math
-import os
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +30,11 @@ import pandas as pd
 import torch
 import yaml
 
+from fedprivacy.checkpoints import ResumeError, atomic_save, load_checkpoint, writing
 from fedprivacy.config import RunConfig, config_differences
-from fedprivacy.locks import FolderBusyError, locked
+from fedprivacy.locks import LOCK_FILE, FolderBusyError, locked
 
 CHECKPOINT = "checkpoint.pt"
-RUN_LOCK = ".lock"
 FIXED_ON_RESUME = ("seed", "privacy.", "data.task", "data.vocab_size", "data.num_tags")
 """Config fields (``.``: every field under the section) a resumed run cannot change: the privacy
 claim and its randomness, and what determines the model's shape (task, vocabulary, tags)."""
@@ -126,59 +123,10 @@ class RunExistsError(RuntimeError):
     """The output folder already holds a run and resuming was not asked for."""
 
 
-class ResumeError(ValueError):
-    """``--resume`` cannot continue this folder: no checkpoint, an unreadable one, or a changed fixed field."""
-
-
 def run_lock(output_dir: str | Path, blocking: bool = False) -> AbstractContextManager[None]:
     """Hold ``output_dir``'s run lock (one run writes a folder at a time; re-entrant in a process); another
     process is refused with :class:`~fedprivacy.locks.FolderBusyError` naming the holder (or waits, ``blocking``)."""
-    return locked(Path(output_dir) / RUN_LOCK, blocking, FolderBusyError, "`fedprivacy run`", reentrant=True)
-
-
-@contextmanager
-def writing(path: Path) -> Iterator[None]:
-    """File-system errors while writing ``path`` name it (a write's ``OSError``, e.g. a full disk, names
-    no file; torch reports a failed write as a RuntimeError, ``enforce fail at inline_container.cc``)."""
-    try:
-        yield
-    except OSError as err:
-        if err.filename is not None:
-            raise
-        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
-    except RuntimeError as err:
-        if "inline_container" not in str(err):
-            raise
-        raise OSError(errno.EIO, f"write failed ({str(err).splitlines()[-1].strip()})", str(path)) from None
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` through a temporary file and a rename: ``path`` holds the old or the new
-    version, never a torn one (a crash or a full disk mid-write leaves the old)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with writing(path):
-        try:
-            torch.save(obj, tmp)
-        except BaseException:  # a full disk: free what was written; ``path`` keeps its last complete version
-            tmp.unlink(missing_ok=True)
-            raise
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, **options: Any) -> dict:
-    """A run's checkpoint (``options``: more arguments of ``torch.load``, e.g. ``mmap=True``).
-
-    Raises:
-        ResumeError: the file is not a readable checkpoint (corrupt or truncated), naming it.
-    """
-    try:
-        return torch.load(path, weights_only=False, **options)
-    except OSError:
-        raise
-    except Exception as err:  # noqa: BLE001 - torch and pickle raise many kinds on a damaged file
-        raise ResumeError(f"{path} is not a readable checkpoint (corrupt or truncated: {type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}); move it away to start the run over") \
-            from None
+    return locked(Path(output_dir) / LOCK_FILE, blocking, FolderBusyError, "`fedprivacy run`", reentrant=True)
 
 
 def require_checkpoint(output_dir: str | Path) -> None:

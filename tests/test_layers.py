@@ -14,6 +14,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.task": (),  # the Task protocol
     "fedprivacy.locks": (),
     "fedprivacy.stopping": (),  # a stop between rounds, asked by SIGTERM
+    "fedprivacy.checkpoints": (),  # checkpoint files written atomically, and the error a damaged one raises
     "fedprivacy.lazy_exports": (),  # the packages' re-exports, imported on first use
     "fedprivacy.privacy": ("fedprivacy.updates", "fedprivacy.lazy_exports"),  # core: no config, no Flower
     "fedprivacy.optim": ("fedprivacy.privacy",),
@@ -23,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.centralized": ("fedprivacy.client",),
     "fedprivacy.config": ("fedprivacy.optim",),  # the typed config checks against privacy/ and optim/
     "fedprivacy.devices": ("fedprivacy.config",),
-    "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks"),
+    "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks", "fedprivacy.checkpoints"),
     "fedprivacy.tfds_task": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client"),
     "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task",
                                        "fedprivacy.tfds_task"),
@@ -101,8 +102,9 @@ def test_a_module_imports_only_its_own_part_and_the_layers_below(module):
     assert not sorted(bad)
 
 
-def test_no_import_cycle_between_modules():
-    """Module-level imports among fedprivacy's modules form no cycle (imports inside functions are lazy)."""
+def _module_graph() -> dict[str, set[str]]:
+    """Each fedprivacy module -> the fedprivacy modules it imports at module level (imports inside functions
+    and under ``TYPE_CHECKING`` are lazy)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
@@ -113,6 +115,12 @@ def test_no_import_cycle_between_modules():
                        if isinstance(node, ast.ImportFrom) and node.module else [])
             deps |= {t for t in targets if t in modules and t != name}
         graph[name] = deps
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """Module-level imports among fedprivacy's modules form no cycle."""
+    graph = _module_graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(node: str, path: list[str]) -> None:
@@ -126,3 +134,23 @@ def test_no_import_cycle_between_modules():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+APPLICATION = ("fedprivacy.config", "fedprivacy.outputs", "fedprivacy.devices", "fedprivacy.stackoverflow_tasks",
+               "fedprivacy.data", "fedprivacy.run", "fedprivacy.experiments", "fedprivacy.cli")
+"""The layers of ``fedprivacy run`` (the typed config and what reads it, the run folder, the StackOverflow data)."""
+
+
+def test_the_strategy_imports_no_application_layer():
+    """``fedprivacy.DPFedAvg`` (:mod:`fedprivacy.fl.strategy`) reaches, through module-level imports, no part of
+    :data:`APPLICATION` (the path to one is named); ``tests/test_public_api.py`` checks the loaded modules."""
+    graph = _module_graph()
+    paths = {"fedprivacy.fl.strategy": ["fedprivacy.fl.strategy"]}
+    todo = ["fedprivacy.fl.strategy"]
+    while todo:
+        module = todo.pop()
+        for dep in graph[module] - set(paths):
+            paths[dep] = paths[module] + [dep]
+            todo.append(dep)
+    assert not [" -> ".join(path) for m, path in sorted(paths.items()) if _part(m) in APPLICATION
+                or any(m.startswith(a + ".") for a in APPLICATION)]

@@ -15,10 +15,11 @@ import pandas as pd
 import pytest
 import yaml
 
+from fedprivacy.checkpoints import ResumeError
 from fedprivacy.cli import describe_os_error
 from fedprivacy.config import build_config
 from fedprivacy.locks import FolderBusyError
-from fedprivacy.outputs import ResumeError, RunOutputs, run_lock
+from fedprivacy.outputs import RunOutputs, run_lock
 from fedprivacy.run import run
 
 

@@ -46,3 +46,21 @@ def test_importing_the_core_imports_no_flower():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1]).stdout
     assert out.strip() == "[]"
+
+
+NOT_FOR_THE_STRATEGY = ("pydantic", "pandas", "yaml", "matplotlib", "fedprivacy.config", "fedprivacy.outputs",
+                        "fedprivacy.devices", "fedprivacy.stackoverflow_tasks", "fedprivacy.data", "fedprivacy.engines",
+                        "fedprivacy.run", "fedprivacy.audit", "fedprivacy.deploy", "fedprivacy.experiments",
+                        "fedprivacy.cli")
+"""What ``fedprivacy run`` needs and a ServerApp with :class:`~fedprivacy.fl.strategy.DPFedAvg` does not: the typed
+config (pydantic, YAML), the run folder (pandas, matplotlib), the StackOverflow data, the engines and commands."""
+
+
+def test_the_strategy_loads_no_application_layer():
+    """``import fedprivacy; fedprivacy.DPFedAvg`` in a fresh interpreter leaves every module (and submodule) of
+    :data:`NOT_FOR_THE_STRATEGY` unloaded."""
+    code = (f"import sys, fedprivacy; fedprivacy.DPFedAvg; names = {NOT_FOR_THE_STRATEGY!r}; "
+            "print(sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1]).stdout
+    assert out.strip() == "[]"

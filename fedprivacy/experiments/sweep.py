@@ -45,13 +45,14 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from fedprivacy.checkpoints import load_checkpoint
 from fedprivacy.config import RunConfig, config_differences, config_from_json
 from fedprivacy.devices import worker_gpus
 from fedprivacy.engines.processes import die_with_parent, run_processes, usable_cores
 from fedprivacy.experiments.progress import SweepProgress
 from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
 from fedprivacy.locks import FolderBusyError, locked
-from fedprivacy.outputs import CHECKPOINT, load_checkpoint, run_lock
+from fedprivacy.outputs import CHECKPOINT, run_lock
 from fedprivacy.stopping import RunStopped
 
 log = logging.getLogger(__name__)

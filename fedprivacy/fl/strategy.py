@@ -77,6 +77,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
 from fedprivacy.fl.records import layout_to_record, record_nbytes, record_to_layout, reply_content, reply_to_update
@@ -85,7 +86,6 @@ from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
-from fedprivacy.outputs import ResumeError
 from fedprivacy.privacy.accounting import AccountantKind, accounts, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate

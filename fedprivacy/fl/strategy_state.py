@@ -24,8 +24,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from fedprivacy.locks import FolderBusyError, locked
-from fedprivacy.outputs import RUN_LOCK, ResumeError, atomic_save, load_checkpoint
+from fedprivacy.checkpoints import ResumeError, atomic_save, load_checkpoint
+from fedprivacy.locks import LOCK_FILE, FolderBusyError, locked
 
 STATE = "strategy.pt"
 _VERSION = 2  # 2: the model as a flat vector ("params") in the broadcast's layout
@@ -40,7 +40,7 @@ class StrategyState:
 
     def lock(self) -> AbstractContextManager[None]:
         """Hold the folder for the duration of a ``start()`` (another holder: ``FolderBusyError``)."""
-        return locked(self.dir / RUN_LOCK, blocking=False, error=FolderBusyError, what="DPFedAvg strategy")
+        return locked(self.dir / LOCK_FILE, blocking=False, error=FolderBusyError, what="DPFedAvg strategy")
 
     def load(self, settings: Mapping[str, Any]) -> dict[str, Any] | None:
         """The saved state (None: a fresh folder), refused unless saved with exactly ``settings``.

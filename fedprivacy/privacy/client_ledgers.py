@@ -23,14 +23,13 @@ summary writes ``inf`` as ``"inf"`` (:func:`~fedprivacy.privacy.accounting.json_
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
-
-import pandas as pd
 
 from fedprivacy.privacy.accounting import AccountantKind, GaussianRound, PrivacyLedger, epsilon, json_epsilon
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_DELTA, MIN_NOISE_MULTIPLIER
@@ -183,7 +182,10 @@ class ClientLedgers:
         if weak:
             log.warning("%d client(s) have delta >= 1 / (their privacy units), a weak guarantee (weak_delta in %s); "
                         "first: %s", len(weak), path.name, weak[:10])
-        pd.DataFrame(rows).to_csv(path, index=False)
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, ["client", "releases", "delta", "weak_delta", *(f"epsilon_{k}" for k in kinds)])
+            writer.writeheader()
+            writer.writerows(rows)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ledgers": {str(c): ledger.state_dict() for c, ledger in self._ledgers.items()},

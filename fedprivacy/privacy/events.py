@@ -22,7 +22,16 @@ import dp_accounting
 
 
 class AccountedEvent(Protocol):
-    """One release as the ledger composes it (a frozen, comparable dataclass; module docstring)."""
+    """One release as the ledger composes it (a frozen, comparable dataclass; module docstring).
+
+    To implement one: a frozen dataclass whose fields are JSON-able numbers and strings (they are written as
+    ``{"type": <class name>, <field>: <value>, ...}``), with :attr:`neighboring_relation` and :meth:`dp_event`,
+    decorated with :func:`register_event`; its ``__post_init__`` checks the fields (raising ValueError naming
+    the field: a release log or checkpoint read back is untrusted input). The accountants compose
+    :meth:`dp_event` (rdp: dp-accounting's ``RdpAccountant``; pld: its ``PLDAccountant``; prv: None), or an
+    RDP curve the event states itself, ``rdp(orders) -> sequence of floats`` (rdp only; e.g.
+    :class:`~fedprivacy.privacy.skellam_accounting.SkellamRound`). ``tests/engine/test_custom_noise_stream.py``'s
+    ``AlternatingRound``, a Poisson-subsampled Gaussian with its own noise multiplier per release, is one."""
 
     @property
     def neighboring_relation(self) -> dp_accounting.NeighboringRelation:

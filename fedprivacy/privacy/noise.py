@@ -50,9 +50,27 @@ def draw_id(generator_state: Any) -> str:
 
 
 class NoiseStream(Protocol):
-    """The server's noise over a run's releases, numbered ``1, 2, ...`` as the ledger composes them
-    (module docstring). Built as ``factory(seed, device=..., secure=...)`` (:class:`GaussianNoise`'s
-    signature), again with a new seed after a resume that re-runs released rounds."""
+    r"""The server's noise over a run's releases, numbered ``1, 2, ...`` as the ledger composes them
+    (module docstring): release ``k`` is :math:`\sum_i \mathrm{clip}_C(u_i) + n_k`, the noise :math:`n_k` of
+    marginal std :math:`z C f(k)` per coordinate, :math:`f` = :meth:`std_factor`, accounted as :meth:`event`
+    (for noise correlated across releases, the event covers the whole sequence :math:`n_1, n_2, \dots`: the
+    matrix mechanism's :class:`~fedprivacy.privacy.accounting.MatrixMechanismRun`, Denisov et al. 2022,
+    arXiv:2202.08312, Sec. 2).
+
+    To implement one: a class with these methods, or a subclass of :class:`GaussianNoise` overriding
+    :meth:`std_factor` and :meth:`event` (``tests/engine/test_custom_noise_stream.py``'s ``DoublingNoise``:
+    std ``2 z C`` on even releases, with its own event type). It is built as
+    ``factory(seed, device=..., secure=...)`` (:class:`GaussianNoise`'s signature; ``secure``: seeded from the
+    OS, not ``seed``), again with a new seed after a resume that re-runs released rounds (its releases then
+    count from 1 again); pass the factory as ``DPFedAvg(noise_stream=...)`` or
+    ``GaussianMechanism(noise_stream=...)``, or name it ``module:factory`` in ``privacy.noise_stream``. A
+    stream other than :class:`GaussianNoise` itself needs central placement and a fixed clip. :meth:`event`
+    returns a registered event (:class:`~fedprivacy.privacy.events.AccountedEvent`,
+    :func:`~fedprivacy.privacy.events.register_event`) that holds for what :meth:`add_` adds; the mechanism
+    checkpoints :meth:`state_dict`. Optional: ``check_schedule(kind, separation)`` raises ValueError for a
+    participation schedule its accounting does not hold for; ``describe_strategy()`` returns what
+    ``noise_mechanism.json`` records of it; a factory's ``describe()`` names it in settings and saved states
+    (:func:`stream_name`)."""
 
     def std_factor(self, release: int) -> float:
         """The std of release ``release``'s noise on the sum, per coordinate, in units of ``z C``."""

@@ -12,10 +12,10 @@ import torch
 from dp_accounting import rdp
 
 from fedprivacy import answer_identity_query
+from fedprivacy.checkpoints import load_checkpoint
 from fedprivacy.config import ConfigError
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import StrategyState
-from fedprivacy.outputs import load_checkpoint
 from fedprivacy.privacy.accounting import CoveredRelease, MatrixMechanismRun, epsilon
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.release_log import ReleaseLog

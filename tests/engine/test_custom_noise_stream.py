@@ -13,9 +13,9 @@ import torch
 from dp_accounting import pld, rdp
 from opacus.accountants import RDPAccountant
 
+from fedprivacy.checkpoints import load_checkpoint
 from fedprivacy.config import ConfigError
 from fedprivacy.fl.strategy import DPFedAvg
-from fedprivacy.outputs import load_checkpoint
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.events import register_event
 from fedprivacy.privacy.mechanism import GaussianMechanism

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fedprivacy.outputs import load_checkpoint
+from fedprivacy.checkpoints import load_checkpoint
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.run import run
 from fedprivacy.stopping import RunStopped, request_stop, stop_requested

@@ -7,6 +7,7 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedprivacy.checkpoints import load_checkpoint
 from fedprivacy.engines.cohorts import cohort_trainer
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.engines.processes import run_processes
@@ -14,7 +15,6 @@ from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.server_app import initial_model
 from fedprivacy.fl.strategy import DPFedAvg
-from fedprivacy.outputs import load_checkpoint
 from fedprivacy.privacy.mechanism import AdaptiveClipping
 from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task

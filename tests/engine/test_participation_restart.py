@@ -17,12 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedprivacy import answer_identity_query
+from fedprivacy.checkpoints import ResumeError, atomic_save
 from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
 from fedprivacy.fl.population import (PopulationMismatch, identity_query, in_order, node_identities,
                                       population_change, reported_identity)
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import STATE, StrategyState
-from fedprivacy.outputs import CHECKPOINT, ResumeError, atomic_save
+from fedprivacy.outputs import CHECKPOINT
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.run import run

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import STATE
-from fedprivacy.outputs import ResumeError
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.release_log import RELEASES, ReleaseLog
 

@@ -20,7 +20,8 @@ from fedprivacy.experiments.sweep import (StudyChangedError, SweepBusyError, Swe
                                          run_state, run_sweep)
 from fedprivacy.experiments import sweep
 from fedprivacy.locks import locked
-from fedprivacy.outputs import CHECKPOINT, load_checkpoint
+from fedprivacy.checkpoints import load_checkpoint
+from fedprivacy.outputs import CHECKPOINT
 
 pytestmark = pytest.mark.slow
 
