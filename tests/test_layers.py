@@ -24,6 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.devices": ("fedprivacy.config",),
     "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks"),
     "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task"),
+    "fedprivacy.flower_datasets": ("fedprivacy.data", "fedprivacy.client"),  # a Task over Flower Datasets partitions
     "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs"),  # Flower
     "fedprivacy.engines": ("fedprivacy.fl",),
     "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),
@@ -32,7 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.experiments": ("fedprivacy.run",),
     "fedprivacy.cli": ("fedprivacy.experiments", "fedprivacy.audit", "fedprivacy.deploy", "fedprivacy.centralized"),
     "fedprivacy.__main__": ("fedprivacy.cli",),
-    "fedprivacy": ("fedprivacy.cli",),  # the package's own __init__: the public API, re-exported
+    "fedprivacy": ("fedprivacy.cli", "fedprivacy.flower_datasets"),  # the package's own __init__: the public API, re-exported
 }
 FLOWER = ("flwr", "ray")
 """Only Flower's layer and those above it (the parts that may import fedprivacy.fl) may import these."""
