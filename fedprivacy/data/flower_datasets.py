@@ -48,12 +48,9 @@ def read_local(path: str | os.PathLike) -> datasets.Dataset:
         raise FileNotFoundError(f"{path}: no such file")
     kind, reader = READERS[path.suffix.lower()]
     try:
-        dataset = reader(str(path))
-    except Exception as e:  # the readers raise Arrow's, pandas' and datasets' own errors: name the file once
+        return reader(str(path))
+    except Exception as e:  # Arrow's, pandas' and datasets' own errors (an empty file among them): name the file
         raise ValueError(f"{path}: cannot read it as {kind}: {type(e).__name__}: {e}") from e
-    if len(dataset) == 0:
-        raise ValueError(f"{path}: no records")
-    return dataset
 
 
 def as_dataset(source: Source) -> tuple[datasets.Dataset, str]:
@@ -156,8 +153,11 @@ def user_column_of(partitioner: Partitioner, user_column: str | None) -> str | N
 def check_user_level(partitioner: Partitioner, user_column: str | None) -> None:
     """Check that ``partitioner`` (its dataset assigned) never spreads a user's records over two partitions
     (module docstring): a ``ValueError`` names a split user and its partitions, and an empty partition; a
-    ``UserWarning`` says when the DP unit is a partition holding several users, or an unchecked partition."""
+    ``UserWarning`` says when the DP unit is a partition holding several users, or an unchecked partition.
+    No partitions at all is refused too."""
     name = partitioner_name(partitioner)
+    if partitioner.num_partitions == 0:
+        raise ValueError(f"{name} has no partitions: its dataset has no records")
     user_column = user_column_of(partitioner, user_column)
     if user_column is None:
         warnings.warn(f"{name} with no user column: the DP unit is the partition, so the reported epsilon is "
