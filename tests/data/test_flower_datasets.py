@@ -3,6 +3,7 @@ a partitioner that splits a user is refused naming the user and its partitions, 
 give errors naming the file or the column. Local files only: nothing here touches the network."""
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -311,3 +312,69 @@ def test_importing_fedprivacy_imports_neither_datasets_nor_flwr_datasets():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[2]).stdout
     assert json.loads(out) == []
+
+
+FACTORY = '''
+import torch
+from flwr_datasets.partitioner import NaturalIdPartitioner
+
+from fedprivacy import FlowerDatasetsTask
+
+
+def make(data_config):
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(2, 2)
+
+    return FlowerDatasetsTask(NaturalIdPartitioner(partition_by="user"), dataset=data_config.path / "train.csv",
+                              test=data_config.path / "test.csv", features=["x0", "x1"], label="y", model=model)
+'''
+
+
+@pytest.mark.slow
+def test_fedprivacys_own_run_trains_it_as_a_user_task(tmp_path, monkeypatch):
+    """``data.task: module:factory`` returning a FlowerDatasetsTask: fedprivacy's engine trains the 30 users
+    (label = sign of x0) under user-level DP."""
+    from fedprivacy.config import build_config
+    from fedprivacy.run import run
+
+    rng = np.random.default_rng(0)
+    for name, n in (("train", 600), ("test", 300)):
+        x = rng.normal(size=(n, 2))
+        pd.DataFrame({"user": rng.integers(0, 30, n), "x0": x[:, 0], "x1": x[:, 1],
+                      "y": (x[:, 0] > 0).astype(int)}).to_csv(tmp_path / f"{name}.csv", index=False)
+    (tmp_path / "fds_task.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = build_config({"rounds": 8, "eval_every": 8, "output_dir": str(tmp_path / "run"),
+                        "data": {"task": "fds_task:make", "path": str(tmp_path)},
+                        "client": {"epochs": 1, "batch_size": 10, "lr": 0.5},
+                        "privacy": {"clip_norm": 1.0, "noise_multiplier": 0.5, "expected_cohort": 10,
+                                    "accountants": ["rdp"]}})
+    summary = run(cfg)
+    assert summary["rounds_completed"] == 8 and summary["test_accuracy"] > 0.8  # majority about 0.5
+    assert 0 < summary["epsilon_rdp"] < 100
+
+
+@pytest.mark.slow
+def test_the_flower_app_in_your_data_runs_under_dp(tmp_path, monkeypatch, capsys):
+    """docs/YOUR_DATA.md's "Flower Datasets" block, run as written (2 rounds instead of 40) on the example's
+    Parquet files of digits by writer, on fedprivacy's in-process engine."""
+    from fedprivacy.engines.inprocess import run_inprocess
+
+    app = Path(__file__).parents[2] / "examples" / "flower_datasets"
+    monkeypatch.syspath_prepend(str(app))
+    pytest.importorskip("sklearn")
+    from digit_writers.task import write_files
+
+    train, test = write_files(tmp_path, 0)
+    train.rename(tmp_path / "train.parquet")
+    test.rename(tmp_path / "test.parquet")
+    monkeypatch.chdir(tmp_path)
+    doc = (Path(__file__).parents[2] / "docs" / "YOUR_DATA.md").read_text()
+    code = doc[doc.index("## Flower Datasets"):].split("```python\n")[1].split("```")[0]
+    assert code.count("num_rounds=40") == 1
+    namespace = {"local_sgd": lambda model, x, y, loss: loss(model(x), y).backward()}
+    exec(compile(code.replace("num_rounds=40", "num_rounds=2"), "YOUR_DATA.md", "exec"), namespace)
+    run_inprocess(namespace["server_app"], namespace["client_app"], num_nodes=namespace["task"].population)
+    assert namespace["task"].population == 100
+    assert re.search(r"'rdp': \d+\.\d+", capsys.readouterr().out)  # the block's print(strategy.epsilons())

@@ -71,3 +71,4 @@ def test_the_app_is_a_valid_flower_app(app_task):
     assert config["tool"]["flwr"]["app"]["components"] == {"serverapp": "digit_writers.server_app:app",
                                                            "clientapp": "digit_writers.client_app:app"}
     assert "federations" not in config["tool"]["flwr"]
+
