@@ -100,6 +100,8 @@ MUTATIONS = [
  ("fedprivacy/privacy/mechanism.py", "        schedule = self.sampler if self._claim_schedule is None else self._claim_schedule\n", "        schedule = self.sampler\n", "tests/privacy/test_correlated_noise.py -k emulation_accounts"),
  ("fedprivacy/privacy/mechanism.py", "                and noise_cohort * groups > self.claim_population:", "                and False:", "tests/privacy/test_correlated_noise.py -k too_small_for_its_groups"),
  ("fedprivacy/fl/server_app.py", "                                     noise_cohort=p.noise_cohort, noise_population=p.noise_population)", "                                     )", "tests/privacy/test_cohort_emulation.py -k calibrat"),
+ ("fedprivacy/data/flower_datasets.py", "            if home.setdefault(user, i) != i:", "            if False:", "tests/data/test_flower_datasets.py -k splits_a_user"),
+ ("fedprivacy/data/flower_datasets.py", "    if isinstance(partitioner, NaturalIdPartitioner) and natural_column(partitioner) == user_column:", "    if isinstance(partitioner, NaturalIdPartitioner):", "tests/data/test_flower_datasets.py -k finer_column"),
 ]
 
 for path, old, new, test in MUTATIONS:

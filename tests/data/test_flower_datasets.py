@@ -219,6 +219,9 @@ def test_the_records_come_from_exactly_one_place(tmp_path):
     assert FlowerDatasetsTask(held, test=path, features="a", label="digit", model=_model).population == 7
     with pytest.raises(ValueError, match="dataset: the partitioner holds no dataset"):
         FlowerDatasetsTask(IidPartitioner(3), test=path, features="a", label="digit", model=_model)
+    with pytest.raises(TypeError, match="expected a datasets.Dataset or a file path, got int"):
+        FlowerDatasetsTask(NaturalIdPartitioner(partition_by="writer"), dataset=path, test=3, features="a",
+                           label="digit", model=_model)
     with pytest.raises(ValueError, match="features: name at least one"):
         FlowerDatasetsTask(NaturalIdPartitioner(partition_by="writer"), dataset=path, test=path, features=[],
                            label="digit", model=_model)
