@@ -381,3 +381,27 @@ def test_the_flower_app_in_your_data_runs_under_dp(tmp_path, monkeypatch, capsys
     run_inprocess(namespace["server_app"], namespace["client_app"], num_nodes=namespace["task"].population)
     assert namespace["task"].population == 100
     assert re.search(r"'rdp': \d+\.\d+", capsys.readouterr().out)  # the block's print(strategy.epsilons())
+
+
+def test_a_federated_datasets_partitioner_and_test_split_over_local_files(tmp_path, monkeypatch):
+    """FederatedDataset(dataset="parquet", data_files=...) reads local files (its telemetry switched off here):
+    its shuffled train split, partitioned by writer, gives each writer's records exactly."""
+    from flwr_datasets import FederatedDataset
+    from flwr_datasets.common import telemetry
+
+    monkeypatch.setattr(telemetry, "FLWR_TELEMETRY_ENABLED", "0")
+    frame, held_out = _records(), _records(40, seed=1)
+    files = {"train": str(_write(frame, tmp_path / "train.parquet")),
+             "test": str(_write(held_out, tmp_path / "test.parquet"))}
+    fds = FederatedDataset(dataset="parquet", data_files=files,
+                           partitioners={"train": NaturalIdPartitioner(partition_by="writer")})
+    task = FlowerDatasetsTask(fds.partitioners["train"], test=fds.load_split("test"), features=["a", "b", "c"],
+                              label="digit", model=_model)
+    assert task.population == 7 and task.source == "the partitioner's dataset"
+    for i in range(7):
+        rows = frame[frame.writer == task.partitioner.partition_id_to_natural_id[i]]
+        x, y = task.client_data(i)
+        got = sorted(map(tuple, np.column_stack([x.numpy(), y.numpy()]).tolist()))
+        assert got == sorted(map(tuple, np.column_stack([rows[["a", "b", "c"]].to_numpy(np.float32),
+                                                         rows.digit]).astype(np.float32).tolist()))
+    assert sorted(task.evaluate(task.new_model())) == ["test_accuracy", "test_loss"]
