@@ -85,12 +85,16 @@ class FlowerDatasetsTask:
         return self._model().to(device)
 
     def client_data(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partition ``index``'s ``(features, labels)`` (read and checked once, then kept)."""
+        """Partition ``index``'s ``(features, labels)`` (read and checked once, then kept): as many feature values
+        per record as the test records."""
         if not 0 <= index < self._population:
             raise ValueError(f"partition {index} of {self.name}: there are {self._population} (0..{self._population - 1})")
         if index not in self._clients:
-            x, y = arrays(self.partitioner.load_partition(index), f"partition {index} of {self.name}",
-                          self.features, self.label)
+            name = f"partition {index} of {self.name}"
+            x, y = arrays(self.partitioner.load_partition(index), name, self.features, self.label)
+            if x.shape[1] != self._test_features.shape[1]:
+                raise ValueError(f"{name}: {x.shape[1]} feature values per record in columns {self.features}, the "
+                                 f"test records have {self._test_features.shape[1]}")
             self._clients[index] = torch.from_numpy(x), torch.from_numpy(y)
         return self._clients[index]
 
