@@ -7,7 +7,8 @@ any Flower ServerApp (:class:`DPFedAvg`), its mechanism (:class:`GaussianMechani
 (:func:`answer_identity_query`); SecAgg+ with distributed Skellam noise
 (:class:`SecureAggregation` for ``DPFedAvg(secure_aggregation=...)``, :func:`secure_aggregation_mod` for any ClientApp); record-level DP in any ClientApp
 (:func:`make_record_dp`, read on the server by :func:`event_from_metrics`); :class:`AdaDPSOptimizer`;
-fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements; the
+fedprivacy's in-process engine (:func:`run_inprocess`); the :class:`Task` a user's task implements, and one over
+Flower Datasets partitions (:class:`FlowerDatasetsTask`); the
 extension interfaces of the privacy core (their docstrings say how to implement one): the server's noise
 :class:`NoiseStream` (default :class:`GaussianNoise`) and the :class:`AccountedEvent` a release is accounted as
 (:func:`register_event`). Each is imported when first used, so ``import fedprivacy`` stays light (the strategy
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from fedprivacy.fl.record_dp import make_record_dp
     from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
+    from fedprivacy.flower_datasets import FlowerDatasetsTask
     from fedprivacy.optim.adadps import AdaDPSOptimizer
     from fedprivacy.privacy.client_ledgers import event_from_metrics
     from fedprivacy.privacy.correlated import CorrelatedMechanism
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
+__all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "FlowerDatasetsTask", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
            "make_record_dp", "answer_identity_query", "SecureAggregation", "secure_aggregation_mod", "run_inprocess", "topk_uplink_mod",
            "AccountedEvent", "GaussianNoise", "NoiseStream", "register_event"]
 
@@ -46,6 +48,7 @@ __getattr__ = lazy_exports(__name__, {
     "CorrelatedMechanism": "fedprivacy.privacy.correlated",
     "AdaDPSOptimizer": "fedprivacy.optim.adadps",
     "DPFedAvg": "fedprivacy.fl.strategy",
+    "FlowerDatasetsTask": "fedprivacy.flower_datasets",
     "GaussianMechanism": "fedprivacy.privacy.mechanism",
     "Task": "fedprivacy.task",
     "client_noise_mod": "fedprivacy.fl.mods",

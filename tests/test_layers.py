@@ -29,6 +29,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task",
                                        "fedprivacy.tfds_task"),
     "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs", "fedprivacy.stopping"),  # Flower
+    "fedprivacy.flower_datasets": ("fedprivacy.data", "fedprivacy.client"),  # a Task over Flower Datasets partitions
     "fedprivacy.engines": ("fedprivacy.fl",),
     "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),
     "fedprivacy.audit": ("fedprivacy.engines",),
@@ -36,7 +37,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.experiments": ("fedprivacy.run",),
     "fedprivacy.cli": ("fedprivacy.experiments", "fedprivacy.audit", "fedprivacy.deploy", "fedprivacy.centralized"),
     "fedprivacy.__main__": ("fedprivacy.cli",),
-    "fedprivacy": ("fedprivacy.cli",),  # the package's own __init__: the public API, re-exported
+    "fedprivacy": ("fedprivacy.cli", "fedprivacy.flower_datasets"),  # the package's own __init__: the public API, re-exported
 }
 FLOWER = ("flwr", "ray")
 """Only Flower's layer and those above it (the parts that may import fedprivacy.fl) may import these."""

@@ -1,0 +1,1 @@
+"""Handwritten digits by writer, from local Parquet through Flower Datasets, under fedprivacy's DPFedAvg."""
