@@ -21,7 +21,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 README_SERVER_APP = "## Your own model: the DP strategy in any Flower ServerApp"
 # (page, the heading its block sits under) -> the test that executes it
 EXECUTED = {("README.md", README_SERVER_APP): "tests/test_docs_examples.py",
-            ("docs/extending.md", "## Record-level DP in your own ClientApp"): "tests/sample_dp/test_record_dp_client.py"}
+            ("docs/extending.md", "## Record-level DP in your own ClientApp"): "tests/sample_dp/test_record_dp_client.py",
+            ("docs/YOUR_DATA.md", "## Flower Datasets"): "tests/data/test_flower_datasets.py"}
 
 
 def python_blocks(text: str, language: str = "python") -> list[tuple[str, str]]:
