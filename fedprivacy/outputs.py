@@ -24,7 +24,7 @@ import errno
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,10 @@ import yaml
 
 from fedprivacy.config import RunConfig, config_differences
 from fedprivacy.locks import FolderBusyError, locked
+
+RoundCallback = Callable[[int, Mapping[str, float]], None]
+"""Called with ``(round, metrics)`` once a round is recorded: a ``metrics.csv`` row (``fedprivacy run``) or the
+round's strategy metrics (:class:`~fedprivacy.fl.strategy.DPFedAvg`'s ``on_round``)."""
 
 CHECKPOINT = "checkpoint.pt"
 RUN_LOCK = ".lock"

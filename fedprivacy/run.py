@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,13 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
-from fedprivacy.outputs import require_checkpoint, run_lock
+from fedprivacy.outputs import RoundCallback, require_checkpoint, run_lock
 from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: RunConfig, resume: bool = False,
-        on_round: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
+def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = None) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary.
     ``on_round(round, metrics row)`` is called after each round the server records (e.g.
     :class:`~fedprivacy.experiments.progress.RunProgress`).

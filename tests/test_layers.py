@@ -24,7 +24,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.devices": ("fedprivacy.config",),
     "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks"),
     "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task"),
-    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs"),  # Flower
+    "fedprivacy.tracking": ("fedprivacy.outputs",),  # TensorBoard and MLflow, imported when tracking is on
+    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs", "fedprivacy.tracking"),  # Flower
     "fedprivacy.engines": ("fedprivacy.fl",),
     "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),
     "fedprivacy.audit": ("fedprivacy.engines",),
