@@ -62,13 +62,14 @@ def trackers(text: str) -> list[str]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedprivacy.outputs import CHECKPOINT
-    from fedprivacy.run import run
+    from fedprivacy.run import prepare_data, run
 
     from fedprivacy.experiments.progress import RunProgress
 
     args.set = [*args.set, *(f"tracking.{name}=true" for name in args.track)]
     cfg = _run_config(args)
     try:
+        prepare_data(cfg)  # its progress bars, before the run's own display
         with RunProgress(cfg.rounds, cfg.privacy.budget_accountant, mode="off" if args.quiet else None) as progress:
             summary = run(cfg, resume=args.resume, on_round=progress.round_done)
     except KeyboardInterrupt:

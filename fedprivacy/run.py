@@ -23,6 +23,15 @@ from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 log = logging.getLogger(__name__)
 
 
+def prepare_data(cfg: RunConfig) -> None:
+    """Refuse a ``device`` this machine lacks, then generate missing data and build the preprocessing cache (each
+    with its progress bar on a terminal): ``run`` starts so; a caller showing a live display of its own calls
+    this before opening it, as two live displays on one terminal garble each other."""
+    check_run_device(cfg)
+    ensure_data(cfg.data)
+    load_task(cfg.data)  # cached: ``run`` gets the same task
+
+
 def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = None) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary.
     ``on_round(round, metrics row)`` is called after each round the server records (e.g.
@@ -38,7 +47,7 @@ def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = N
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     started = time.time()
-    ensure_data(cfg.data)
+    prepare_data(cfg)
     with run_lock(cfg.output_dir):
         task = load_task(cfg.data)
         server_app, client_app = build_server_app(cfg, resume, on_round), build_client_app(cfg)
