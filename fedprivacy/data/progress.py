@@ -1,10 +1,11 @@
-"""Progress of long data work (generating synthetic data, building the preprocessing cache): a rich bar on
-stderr when it is a terminal, nothing otherwise (logs, CI, a sweep's workers), as
+"""Progress of long data work (generating synthetic data, building the preprocessing cache, decompressing a
+download): a rich bar on stderr when it is a terminal, nothing otherwise (logs, CI, a sweep's workers), as
 :class:`fedprivacy.experiments.progress.SweepProgress` decides (``Console.is_terminal``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -20,20 +21,29 @@ def stderr_console() -> Console:
     return Console(stderr=True)
 
 
-def with_progress(items: Iterable[T], total: int, description: str, unit: str,
-                  console: Console | None = None) -> Iterator[T]:
-    """``items`` one by one, advancing a bar to ``total`` ``unit`` (e.g. users) on ``console`` (default:
-    :func:`stderr_console`) when it is a terminal; silent otherwise. The bar stops when the items end or the
-    consumer stops. rich is imported here, when data work starts."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+@contextmanager
+def progress_bar(description: str, total: int, unit: str, console: Console | None = None
+                 ) -> Iterator[Callable[[int], None]]:
+    """A bar of ``total`` ``unit`` (``bytes``: shown as sizes and a rate) on ``console`` (default:
+    :func:`stderr_console`) when it is a terminal, silent otherwise; yields ``advance(n)``. rich is imported
+    here, when data work starts."""
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
 
     console = console or stderr_console()
-    progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-                        disable=not console.is_terminal)
+    counted = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn(), TextColumn(unit)]
+    progress = Progress(TextColumn(description), BarColumn(), *counted, TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(), console=console, disable=not console.is_terminal)
     task = progress.add_task(description, total=total)
     with progress:
+        yield lambda n: progress.advance(task, n)
+
+
+def with_progress(items: Iterable[T], total: int, description: str, unit: str,
+                  console: Console | None = None) -> Iterator[T]:
+    """``items`` one by one, advancing a :func:`progress_bar` to ``total`` ``unit`` (e.g. users); the bar stops
+    when the items end or the consumer stops."""
+    with progress_bar(description, total, unit, console) as advance:
         for item in items:
             yield item
-            progress.advance(task)
+            advance(1)
