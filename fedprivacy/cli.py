@@ -69,7 +69,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     args.set = [*args.set, *(f"tracking.{name}=true" for name in args.track)]
     cfg = _run_config(args)
     try:
-        prepare_data(cfg)  # its progress bars, before the run's own display
+        prepare_data(cfg, args.resume)  # its progress bars, before the run's own display
         with RunProgress(cfg.rounds, cfg.privacy.budget_accountant, mode="off" if args.quiet else None) as progress:
             summary = run(cfg, resume=args.resume, on_round=progress.round_done)
     except KeyboardInterrupt:

@@ -23,11 +23,14 @@ from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 log = logging.getLogger(__name__)
 
 
-def prepare_data(cfg: RunConfig) -> None:
-    """Refuse a ``device`` this machine lacks, then generate missing data and build the preprocessing cache (each
-    with its progress bar on a terminal): ``run`` starts so; a caller showing a live display of its own calls
-    this before opening it, as two live displays on one terminal garble each other."""
+def prepare_data(cfg: RunConfig, resume: bool = False) -> None:
+    """Refuse a ``device`` this machine lacks and a ``resume`` with nothing to resume, then generate missing data
+    and build the preprocessing cache (each with its progress bar on a terminal): ``run`` starts so; a caller
+    showing a live display of its own calls this before opening it, as two live displays on one terminal garble
+    each other."""
     check_run_device(cfg)
+    if resume:
+        require_checkpoint(cfg.output_dir)
     ensure_data(cfg.data)
     load_task(cfg.data)  # cached: ``run`` gets the same task
 
@@ -41,13 +44,10 @@ def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = N
     (:class:`~fedprivacy.locks.FolderBusyError` naming this one's pid, host and start time). A
     ``device`` this machine lacks is refused first (:class:`~fedprivacy.devices.DeviceUnavailableError`).
     """
-    check_run_device(cfg)
-    if resume:
-        require_checkpoint(cfg.output_dir)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     started = time.time()
-    prepare_data(cfg)
+    prepare_data(cfg, resume)
     with run_lock(cfg.output_dir):
         task = load_task(cfg.data)
         server_app, client_app = build_server_app(cfg, resume, on_round), build_client_app(cfg)
