@@ -5,6 +5,7 @@ per study."""
 
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -271,3 +272,12 @@ def test_the_track_flag_takes_known_trackers_only_naming_an_unknown_one(parts):
     else:
         with pytest.raises(ArgumentTypeError, match=repr(next(n for n in names if n not in TRACKERS))):
             trackers(text)
+
+
+def test_the_documented_privacy_table_is_metrics_columns():
+    from fedprivacy.outputs import METRICS_COLUMNS
+
+    text = (Path(__file__).parents[2] / "docs" / "TRACKING.md").read_text()
+    table = text[text.index("### Which metrics are not private"):text.index("## One's own ServerApp")]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (yes|no)", table, re.MULTILINE))
+    assert rows == {column: "yes" if private else "no" for column, (private, _) in METRICS_COLUMNS.items()}
