@@ -261,7 +261,7 @@ def _decompress(archive: Archive, source: Path, staging: Path, console: Console)
     try:
         with progress_bar(f"{archive.name}: decompressing", source.stat().st_size, "bytes", console) as advance, \
                 open(source, "rb") as raw:
-            _extract(archive, _Reading(raw, advance), staging)
+            _extract(archive, io.BufferedReader(_Reading(raw, advance)), staging)
     except (lzma.LZMAError, tarfile.TarError, EOFError, OSError) as err:
         raise DownloadError(f"{source}: cannot decompress {archive.name} ({err})") from err
     missing = [p.name for p in written if not p.is_file()]
@@ -270,7 +270,7 @@ def _decompress(archive: Archive, source: Path, staging: Path, console: Console)
     return written
 
 
-def _extract(archive: Archive, compressed: _Reading, staging: Path) -> None:
+def _extract(archive: Archive, compressed: BinaryIO, staging: Path) -> None:
     if archive.compression == "lzma":
         with lzma.open(compressed) as stream:
             _copy_to(stream, staging / archive.files[0])

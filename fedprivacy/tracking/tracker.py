@@ -77,7 +77,7 @@ def read_state(folder: Path) -> dict[str, dict[str, Any]]:
         return {}
     except (UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); move it away to start new tracking runs") from None
-    fields = {"tensorboard": {"round": int}, "mlflow": {"run_id": str, "tracking_uri": str}}
+    fields: dict[str, dict[str, type]] = {"tensorboard": {"round": int}, "mlflow": {"run_id": str, "tracking_uri": str}}
     ok = isinstance(state, dict) and all(
         key in fields and isinstance(entry, dict) and set(entry) == set(fields[key])
         and all(isinstance(entry[f], t) and not isinstance(entry[f], bool) for f, t in fields[key].items())
