@@ -22,7 +22,8 @@ import fedprivacy
 
 from fedprivacy.config import TrackingConfig, flat
 from fedprivacy.experiments.study import expand
-from fedprivacy.experiments.sweep import check_compatible, prepare_tracking
+from fedprivacy.experiments.sweep import check_compatible, manifest, prepare_tracking
+from fedprivacy.experiments.report import write_report
 from fedprivacy.experiments import load_study
 from fedprivacy.run import run
 from fedprivacy.tracking import STATE_FILE, TrackingUnavailable, open_tracker, tracked_name, tracking_uri
@@ -133,6 +134,9 @@ def test_a_study_tracks_its_runs_in_one_experiment_and_one_logdir_each(tiny_stud
     for spec in specs:
         assert (study.output_dir / "runs" / spec.run_id / "tensorboard").is_dir()
         assert_tracked_as_csv(study.output_dir / "runs" / spec.run_id)
+    (study.output_dir / "study.json").write_text(json.dumps(manifest(study, specs)))
+    report = write_report(study.output_dir).read_text()
+    assert "clip_norm: 1.0" in report and "tracking" not in report  # a setting of no result, left out
 
 
 def test_switching_tracking_on_does_not_change_a_study(tiny_study):
