@@ -294,7 +294,7 @@ class DPFedAvgServer:
         self._resume(checkpoint, grid)
         self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))
         with open_tracker(self.outputs.dir, self.cfg.tracking, json.loads(self.cfg.to_json()),
-                          self.cfg.privacy.placement) as self.tracker:
+                          self.cfg.privacy.placement, resume=checkpoint is not None) as self.tracker:
             self.tracker.log_rows(self.outputs.rows)  # checkpointed rounds a tracker may lack (a crash, or newly on)
             stop_reason, k = "rounds", 1
             while self.strategy.round < self.cfg.rounds:

@@ -143,11 +143,12 @@ def _writer_module(name: str, field: str) -> Any:
 
 
 def open_tracker(folder: str | Path, settings: TrackingConfig, config: Mapping[str, Any], placement: str,
-                 run_name: str | None = None) -> RunTracker:
+                 run_name: str | None = None, resume: bool = True) -> RunTracker:
     """The trackers ``settings`` switches on for the run in ``folder`` (created if missing), continuing those
-    ``tracking.json`` names; ``config`` (the resolved config, a nested mapping) is logged as MLflow params and as
-    text; ``placement`` (``privacy.placement``) decides whether ``server_noise_std`` is private; ``run_name``: the
-    MLflow run's name (default: the folder's name).
+    ``tracking.json`` names when ``resume`` (else a new MLflow run, and TensorBoard's readers drop the folder's
+    earlier events); ``config`` (the resolved config, a nested mapping) is logged as MLflow params and as text;
+    ``placement`` (``privacy.placement``) decides whether ``server_noise_std`` is private; ``run_name``: the MLflow
+    run's name (default: the folder's name).
 
     Raises:
         TrackingUnavailable: a tracker's library is missing (naming the extra).
@@ -155,7 +156,7 @@ def open_tracker(folder: str | Path, settings: TrackingConfig, config: Mapping[s
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = read_state(folder)
+    state = read_state(folder) if resume else {}
     text = yaml.safe_dump(dict(config), sort_keys=False)
     writers: list[Writer] = []
     try:

@@ -120,6 +120,19 @@ def tiny_study(small_data, tmp_path):
     return make
 
 
+def test_a_run_started_afresh_in_a_tracked_folder_starts_new_tracking_runs(small_config):
+    run(small_config(*TRACK, "rounds=3"))
+    folder = Path(small_config().output_dir)
+    _, first = mlflow_run(folder)
+    for name in ("checkpoint.pt", "releases.jsonl"):  # a run started over, not resumed
+        (folder / name).unlink()
+    run(small_config(*TRACK, "client.lr=4.0"))
+    assert_tracked_as_csv(folder)  # TensorBoard: the earlier 3 rounds dropped; MLflow: the new run's 2
+    client, again = mlflow_run(folder)
+    assert again.info.run_id != first.info.run_id
+    assert len(client.search_runs([again.info.experiment_id])) == 2
+
+
 def test_a_study_tracks_its_runs_in_one_experiment_and_one_logdir_each(tiny_study):
     study = load_study(tiny_study(), [f"base.{t}" for t in TRACK])
     specs = expand(study)
