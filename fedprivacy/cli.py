@@ -47,14 +47,29 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+TRACKERS = ("tensorboard", "mlflow")
+
+
+def trackers(text: str) -> list[str]:
+    """``--track``'s value: a comma-separated list of :data:`TRACKERS` (the fields of the ``tracking`` section)."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown tracker {unknown[0]!r} (choose from {', '.join(TRACKERS)}, "
+                                         "comma-separated)")
+    return names
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedprivacy.outputs import CHECKPOINT
-    from fedprivacy.run import run
+    from fedprivacy.run import prepare_data, run
 
     from fedprivacy.experiments.progress import RunProgress
 
+    args.set = [*args.set, *(f"tracking.{name}=true" for name in args.track)]
     cfg = _run_config(args)
     try:
+        prepare_data(cfg, args.resume)  # its progress bars, before the run's own display
         with RunProgress(cfg.rounds, cfg.privacy.budget_accountant, mode="off" if args.quiet else None) as progress:
             summary = run(cfg, resume=args.resume, on_round=progress.round_done)
     except KeyboardInterrupt:
@@ -75,7 +90,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from fedprivacy.experiments.study import expand
     from fedprivacy.experiments.sweep import SweepBusyError
 
-    study = load_study(args.config, args.set)
+    study = load_study(args.config, [*args.set, *(f"base.tracking.{name}=true" for name in args.track)])
     for spec in expand(study):
         check_plugins(spec.config, args.allow_plugins)
     try:
@@ -339,6 +354,12 @@ def _cmd_data_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _track(parser: argparse.ArgumentParser, section: str) -> None:
+    parser.add_argument("--track", type=trackers, default=[], metavar="tensorboard,mlflow",
+                        help=f"also log each round and the config to TensorBoard and/or MLflow (sets {section}."
+                             "tensorboard / .mlflow; the tracking extra; docs/TRACKING.md)")
+
+
 def _allow_plugins(parser: argparse.ArgumentParser) -> None:
     """The opt-in of a command that runs a config (:func:`~fedprivacy.config.check_plugins`)."""
     parser.add_argument("--allow-plugins", action="store_true",
@@ -359,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress display or lines and no per-round log (warnings only); the JSON summary still "
                         "goes to stdout")
+    _track(p, "tracking")
     _allow_plugins(p)
     p.set_defaults(func=_cmd_run)
 
@@ -369,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a study field, e.g. --set seeds=[0] --set base.rounds=5 (repeatable)")
     p.add_argument("--jobs", type=int, help="runs in parallel (default: the number of usable CPU cores; when the "
                                             "runs use CUDA, the number of GPUs, one worker per GPU)")
+    _track(p, "base.tracking")
     _allow_plugins(p)
     p.set_defaults(func=_cmd_compare)
 

@@ -657,6 +657,21 @@ class RayConfig(_Section):
     a new Ray instance private to this run (stopped at the end). See docs/DEPLOYMENT.md §5."""
 
 
+class TrackingConfig(_Section):
+    """Where a run's per-round metrics and resolved config are also logged (docs/TRACKING.md; needs the
+    ``tracking`` extra). Off by default; it changes no result, so a resume or a study may switch it."""
+
+    tensorboard: bool = False
+    """TensorBoard event files in ``<output_dir>/tensorboard``."""
+    mlflow: bool = False
+    """One MLflow run (its id kept in ``<output_dir>/tracking.json``, which a resume continues)."""
+    mlflow_uri: str | None = Field(None, min_length=1)
+    """An MLflow tracking URI (``file:``, ``sqlite:///``, ``http://``) or a folder; ``None``: the folder
+    ``<output_dir>/mlruns`` (a study: ``<study output_dir>/mlruns``)."""
+    experiment: str | None = Field(None, min_length=1)
+    """The MLflow experiment; ``None``: the run folder's name (a study: the study's name)."""
+
+
 class RunConfig(_Section):
     """One federated training run."""
 
@@ -696,6 +711,7 @@ class RunConfig(_Section):
     server: ServerConfig = ServerConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     ray: RayConfig = RayConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @field_validator("cohort_batching", mode="before")
     @classmethod
@@ -824,6 +840,14 @@ def check_plugins(cfg: RunConfig, allowed: bool, opt_in: str = "--allow-plugins"
         field, value = next(iter(named.items()))
         raise ConfigError(f"{field}={value!r} names a plug-in: this config imports and runs that code; pass "
                           f"{opt_in} to run a config you trust with it")
+
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one mapping with dotted keys (``{"server": {"lr": 1}}`` -> ``{"server.lr": 1}``)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def config_differences(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:

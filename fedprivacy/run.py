@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
+from fedprivacy.callbacks import RoundCallback
 from fedprivacy.outputs import require_checkpoint, run_lock
 from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 from fedprivacy.stopping import stop_on_sigterm
@@ -25,8 +25,19 @@ from fedprivacy.stopping import stop_on_sigterm
 log = logging.getLogger(__name__)
 
 
-def run(cfg: RunConfig, resume: bool = False,
-        on_round: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
+def prepare_data(cfg: RunConfig, resume: bool = False) -> None:
+    """Refuse a ``device`` this machine lacks and a ``resume`` with nothing to resume, then generate missing data
+    and build the preprocessing cache (each with its progress bar on a terminal): ``run`` starts so; a caller
+    showing a live display of its own calls this before opening it, as two live displays on one terminal garble
+    each other."""
+    check_run_device(cfg)
+    if resume:
+        require_checkpoint(cfg.output_dir)
+    ensure_data(cfg.data)
+    load_task(cfg.data)  # cached: ``run`` gets the same task
+
+
+def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = None) -> dict[str, Any]:
     """Prepare the data, run the ServerApp and ClientApp on ``cfg.engine``, return the summary.
     ``on_round(round, metrics row)`` is called after each round the server records (e.g.
     :class:`~fedprivacy.experiments.progress.RunProgress`).
@@ -38,13 +49,10 @@ def run(cfg: RunConfig, resume: bool = False,
     SIGTERM stops the run after its current round with a checkpoint (:mod:`fedprivacy.stopping`: raises
     :class:`~fedprivacy.stopping.RunStopped`; resuming loses nothing).
     """
-    check_run_device(cfg)
-    if resume:
-        require_checkpoint(cfg.output_dir)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     started = time.time()
-    ensure_data(cfg.data)
+    prepare_data(cfg, resume)
     with run_lock(cfg.output_dir), stop_on_sigterm():
         task = load_task(cfg.data)
         server_app, client_app = build_server_app(cfg, resume, on_round), build_client_app(cfg)

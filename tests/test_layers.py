@@ -14,6 +14,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.task": (),  # the Task protocol
     "fedprivacy.locks": (),
     "fedprivacy.stopping": (),  # a stop between rounds, asked by SIGTERM
+    "fedprivacy.callbacks": (),  # what a run calls after each recorded round
     "fedprivacy.checkpoints": (),  # checkpoint files written atomically, and the error a damaged one raises
     "fedprivacy.lazy_exports": (),  # the packages' re-exports, imported on first use
     "fedprivacy.privacy": ("fedprivacy.updates", "fedprivacy.lazy_exports"),  # core: no config, no Flower
@@ -24,11 +25,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fedprivacy.centralized": ("fedprivacy.client",),
     "fedprivacy.config": ("fedprivacy.optim",),  # the typed config checks against privacy/ and optim/
     "fedprivacy.devices": ("fedprivacy.config",),
-    "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks", "fedprivacy.checkpoints"),
+    "fedprivacy.outputs": ("fedprivacy.config", "fedprivacy.locks", "fedprivacy.checkpoints", "fedprivacy.callbacks"),
     "fedprivacy.tfds_task": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client"),
     "fedprivacy.stackoverflow_tasks": ("fedprivacy.config", "fedprivacy.data", "fedprivacy.client", "fedprivacy.task",
                                        "fedprivacy.tfds_task"),
-    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs", "fedprivacy.stopping"),  # Flower
+    "fedprivacy.tracking": ("fedprivacy.outputs",),  # TensorBoard and MLflow, imported when tracking is on
+    "fedprivacy.fl": ("fedprivacy.stackoverflow_tasks", "fedprivacy.outputs", "fedprivacy.stopping",
+                      "fedprivacy.tracking"),  # Flower
     "fedprivacy.flower_datasets": ("fedprivacy.data", "fedprivacy.client"),  # a Task over Flower Datasets partitions
     "fedprivacy.engines": ("fedprivacy.fl",),
     "fedprivacy.run": ("fedprivacy.engines", "fedprivacy.devices"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
+import io
 import json
 import lzma
 import re
@@ -31,16 +32,17 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
 from fedprivacy.data.hdf5 import SPLIT_FILES
+from fedprivacy.data.progress import progress_bar
 from fedprivacy.data.sources import SQLITE_NAME, TAG_COUNT_NAME, WORD_COUNT_NAME
 from fedprivacy.data.synthetic import SYNTHETIC_MARKER
 
@@ -229,8 +231,25 @@ def _copy_to(source: BinaryIO, target: Path) -> None:
         shutil.copyfileobj(source, out, CHUNK)
 
 
-def _decompress(archive: Archive, source: Path, staging: Path) -> list[Path]:
-    """Writes ``archive.files`` from the compressed ``source`` into ``staging``; returns their paths.
+class _Reading(io.RawIOBase):
+    """A binary file read through (not seekable), each read's bytes counted by ``advance``."""
+
+    def __init__(self, file: BinaryIO, advance: Callable[[int], None]) -> None:
+        super().__init__()
+        self.file, self.advance = file, advance
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self.file.readinto(buffer)  # type: ignore[attr-defined]
+        self.advance(n or 0)
+        return n
+
+
+def _decompress(archive: Archive, source: Path, staging: Path, console: Console) -> list[Path]:
+    """Writes ``archive.files`` from the compressed ``source`` into ``staging``; returns their paths. A bar of
+    the compressed bytes read shows on a terminal (:func:`~fedprivacy.data.progress.progress_bar`).
 
     Only the listed files are taken from a tar archive (by base name, regular files only), so a
     member's path never decides where anything is written.
@@ -240,21 +259,27 @@ def _decompress(archive: Archive, source: Path, staging: Path) -> list[Path]:
         with _local(path):
             path.unlink(missing_ok=True)
     try:
-        if archive.compression == "lzma":
-            with lzma.open(source) as stream:
-                _copy_to(stream, staging / archive.files[0])
-        else:
-            with tarfile.open(source, "r:bz2") as tar:
-                for member in tar:
-                    name = PurePosixPath(member.name).name
-                    if member.isfile() and name in archive.files:
-                        _copy_to(tar.extractfile(member), staging / name)
+        with progress_bar(f"{archive.name}: decompressing", source.stat().st_size, "bytes", console) as advance, \
+                open(source, "rb") as raw:
+            _extract(archive, io.BufferedReader(_Reading(raw, advance)), staging)
     except (lzma.LZMAError, tarfile.TarError, EOFError, OSError) as err:
         raise DownloadError(f"{source}: cannot decompress {archive.name} ({err})") from err
     missing = [p.name for p in written if not p.is_file()]
     if missing:
         raise DownloadError(f"{source}: {archive.name} does not hold {', '.join(missing)}")
     return written
+
+
+def _extract(archive: Archive, compressed: BinaryIO, staging: Path) -> None:
+    if archive.compression == "lzma":
+        with lzma.open(compressed) as stream:
+            _copy_to(stream, staging / archive.files[0])
+    else:
+        with tarfile.open(fileobj=compressed, mode="r|bz2") as tar:  # a stream: each member read as it comes
+            for member in tar:
+                name = PurePosixPath(member.name).name
+                if member.isfile() and name in archive.files:
+                    _copy_to(tar.extractfile(member), staging / name)
 
 
 def _read_record(path: Path) -> dict:
@@ -292,7 +317,7 @@ def _install(archive: Archive, url: str, out: Path, *, retries: int, console: Co
         raise DownloadError(f"{url}: SHA-256 mismatch: expected {archive.sha256}, got {got} "
                             "(the download was deleted; rerun to fetch it again)")
     _say(console, f"{archive.name}: decompressing")
-    for file in _decompress(archive, partial, partial.parent):
+    for file in _decompress(archive, partial, partial.parent, console):
         with _local(out / file.name):
             file.replace(out / file.name)
     with _local(partial):

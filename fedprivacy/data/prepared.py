@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,10 +25,13 @@ from fedprivacy.data.cache import (StreamWriter, csr_arrays, csr_from_arrays, cs
                                    load_or_build)
 from fedprivacy.data.next_word import FederatedTokenData, iter_token_rows, load_next_word
 from fedprivacy.data.on_demand import generated_population, generated_tag_rows
+from fedprivacy.data.progress import with_progress
 from fedprivacy.data.sources import ExampleSource, file_identity
 from fedprivacy.data.tag_prediction import (FederatedTagData, NoTag, _ClientRows, assemble, iter_tag_rows,
                                             load_tag_prediction)
 from fedprivacy.data.views import sample_clients
+
+T = TypeVar("T")
 
 __all__ = ["prepared_tags", "prepared_tokens"]
 
@@ -57,6 +61,13 @@ def _common(source: ExampleSource, split: str, first: int | None, sample: int | 
     return config, identities
 
 
+def _cache_progress(rows: Iterator[T], source: ExampleSource, split: str, clients: list[str] | None,
+                    task: str) -> Iterator[T]:
+    """A cache build's ``rows`` (one per user of ``clients``, None: the split's), with a bar on a terminal."""
+    total = len(clients) if clients is not None else len(source.client_ids(split))
+    return with_progress(rows, total, f"data cache: {task} {split}", "users")
+
+
 def _client_ids(arrays: dict) -> tuple[str, ...]:
     return tuple(arrays["client_ids"].tolist())
 
@@ -74,10 +85,10 @@ def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tag
     config.update(task="tag", vocab_size=vocab_size, num_tags=num_tags, no_tag=no_tag)
     identities["tag_count"] = file_identity(source.tag_count)
 
-    def rows() -> Iterator[tuple[str, _ClientRows]]:
-        """The split's rows: decoded from the files, or drawn when the files are exactly what the generator wrote
-        (:func:`~fedprivacy.data.on_demand.generated_population`: the same rows without decoding)."""
-        clients = _select_ids(source, split, first, sample, seed)
+    def rows(clients: list[str] | None) -> Iterator[tuple[str, _ClientRows]]:
+        """The rows of the split's ``clients`` (None: all): decoded from the files, or drawn when the files are
+        exactly what the generator wrote (:func:`~fedprivacy.data.on_demand.generated_population`: the same rows
+        without decoding)."""
         population = generated_population(source)
         if population is None:
             return iter_tag_rows(source, source.word_count, source.tag_count, split, vocab_size=vocab_size,
@@ -88,7 +99,7 @@ def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tag
     def build() -> tuple[dict, dict]:
         load_tag_prediction(source, source.word_count, source.tag_count, split, vocab_size=vocab_size,
                             num_tags=num_tags, no_tag=no_tag, clients=[])  # the argument checks
-        data = assemble(list(rows()), vocab_size, num_tags)
+        data = assemble(list(rows(_select_ids(source, split, first, sample, seed))), vocab_size, num_tags)
         arrays = {**csr_arrays("features", data.features), **csr_arrays("tags", data.tags),
                   "labels": data.labels, "offsets": data.offsets,
                   "client_ids": np.array(data.client_ids, dtype=str)}
@@ -108,7 +119,8 @@ def prepared_tags(source: ExampleSource, split: str, *, vocab_size: int, num_tag
             writer.append(f"{prefix}_indptr", np.zeros(1, np.int64))
         writer.append("labels", np.empty(0, np.int64))
         nnz = {"features": 0, "tags": 0}
-        for client, part in rows():
+        clients = _select_ids(source, split, first, sample, seed)
+        for client, part in _cache_progress(rows(clients), source, split, clients, "tag"):
             ids.append(client)
             sizes.append(len(part.labels))
             dropped += part.dropped
@@ -165,10 +177,10 @@ def prepared_tokens(source: ExampleSource, split: str, *, vocab_size: int, seq_l
         ids: list[str] = []
         sizes: list[int] = []
         writer.append("tokens", np.zeros((0, seq_len + 1), np.int32))
-        for client, rows in iter_token_rows(source, source.word_count, split,
-                                            vocab_size=vocab_size, seq_len=seq_len,
-                                            clients=_select_ids(source, split, first, sample,
-                                                                seed)):
+        clients = _select_ids(source, split, first, sample, seed)
+        for client, rows in _cache_progress(iter_token_rows(source, source.word_count, split, vocab_size=vocab_size,
+                                                            seq_len=seq_len, clients=clients),
+                                            source, split, clients, "next_word"):
             ids.append(client)
             sizes.append(len(rows))
             writer.append("tokens", rows)

@@ -57,11 +57,16 @@ import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedprivacy.data.hdf5 import SPLIT_FILES, H5Writer
+from fedprivacy.data.progress import with_progress
 from fedprivacy.data.sources import file_identity
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["SyntheticFiles", "generate", "SYNTHETIC_MARKER", "TFF_MIN_EXAMPLES",
            "TFF_MEAN_EXAMPLES"]
@@ -596,7 +601,7 @@ def _write_counts(world: _World, word_counts: np.ndarray, tag_counts: np.ndarray
 def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
              overwrite: bool = False, format: str = "tff-sqlite",
              min_examples: int = TFF_MIN_EXAMPLES, mean_examples: float = TFF_MEAN_EXAMPLES,
-             max_examples: int = DEFAULT_MAX_EXAMPLES) -> SyntheticFiles:
+             max_examples: int = DEFAULT_MAX_EXAMPLES, console: Console | None = None) -> SyntheticFiles:
     """Writes a synthetic StackOverflow dataset in TFF's on-disk format.
 
     Args:
@@ -614,6 +619,8 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
         mean_examples: Mean train examples per user; TFF's 397 by default.
         max_examples: Cap on a user's train examples (the lognormal tail is solved so
             that the capped mean is ``mean_examples``).
+        console: Where the users written are shown as a bar when it is a terminal
+            (default: stderr; :func:`~fedprivacy.data.progress.with_progress`).
 
     Returns:
         The paths of the files written.
@@ -655,7 +662,7 @@ def generate(out_dir: Path, num_clients: int = 1000, seed: int = 0, *,
     width = max(8, len(str(num_users - 1)))
 
     def write_users(add) -> None:
-        for user in range(num_users):
+        for user in with_progress(range(num_users), num_users, "generating", "users", console):
             for split, block in _user_splits(seed, user, world, sizes):
                 add(split, f"{user:0{width}d}", block)
                 if split == "train":

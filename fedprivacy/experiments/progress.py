@@ -13,7 +13,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich.console import Console
@@ -133,7 +133,7 @@ class RunProgress:
             root.addHandler(old)
         self._handlers = []
 
-    def round_done(self, round_: int, row: dict[str, float]) -> None:
+    def round_done(self, round_: int, row: Mapping[str, float]) -> None:
         """Round ``round_`` is recorded with metrics ``row`` (``epsilon_<accountant>``, and ``test_accuracy``
         in the rounds that evaluate)."""
         now = self.clock()

@@ -20,6 +20,7 @@ import yaml
 from fedprivacy.experiments.figures import budget_accountant, selected_epsilon_curves, write_figures
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, load_results, write_tables
 from fedprivacy.experiments.study import column_title, flat, nested
+from fedprivacy.experiments.sweep import results_config
 
 REPORT = "report.md"
 VARYING = ("seed", "output_dir")
@@ -162,8 +163,8 @@ def _summary_table(results: StudyResults) -> pd.DataFrame:
 
 def _config_lines(results: StudyResults) -> list[str]:
     ids = _selected_run_ids(results)
-    resolved = {key: flat(_resolved(results, rid)) for key, rid in ids.items()}
-    given = {r["run_id"]: flat(r.get("config_set", r["config"])) for r in results.manifest["runs"]}
+    resolved = {key: flat(results_config(_resolved(results, rid))) for key, rid in ids.items()}
+    given = {r["run_id"]: flat(results_config(r.get("config_set", r["config"]))) for r in results.manifest["runs"]}
     first = next(iter(resolved.values()))
     shared = {k: v for k, v in first.items()
               if k not in VARYING and all(f.get(k, "<unset>") == v for f in resolved.values())}

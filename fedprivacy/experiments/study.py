@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fedprivacy.config import ConfigError, RunConfig, build_config, read_yaml_mapping, validate_tree
+from fedprivacy.config import ConfigError, RunConfig, build_config, flat, read_yaml_mapping, validate_tree
 
 TASK_METRICS = {"tag": "test_accuracy", "tag_multilabel": "test_recall_at_5", "next_word": "test_accuracy"}
 """The headline metric of each ``data.task`` (a column of ``metrics.csv``)."""
@@ -245,14 +245,6 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The inverse of :func:`nested`: nested mappings as one mapping with dotted keys."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def run_id(method: str, budget: str, hparams: dict[str, Any], seed: int) -> str:
     point = "_".join(f"{k}={v}" for k, v in hparams.items()) or "default"
     return "__".join(_slug(part) for part in (method, budget, point, f"s{seed}"))
@@ -261,6 +253,12 @@ def run_id(method: str, budget: str, hparams: dict[str, Any], seed: int) -> str:
 def expand_grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """Every point of a method's grid (dotted field -> value), in order; ``[{}]`` for no grid."""
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def study_tracking(study: StudyConfig) -> dict[str, Any]:
+    """What a study's runs track into unless they say otherwise: ONE MLflow experiment named for the study, its
+    store in ``<output_dir>/mlruns`` (each run's TensorBoard log is in its own folder, ``runs/<run_id>/tensorboard``)."""
+    return {"tracking": {"experiment": study.name, "mlflow_uri": str(study.output_dir / "mlruns")}}
 
 
 def expand(study: StudyConfig) -> list[RunSpec]:
@@ -285,6 +283,8 @@ def expand(study: StudyConfig) -> list[RunSpec]:
                     rid = run_id(method, budget.name, point, seed)
                     tree = merge(merge(merge(base, budget.overrides()), overrides), nested(point))
                     tree = merge(tree, {"seed": seed, "output_dir": str(study.output_dir / "runs" / rid)})
+                    if (tree.get("tracking") or {}).get("mlflow"):
+                        tree = merge(study_tracking(study), tree)
                     where = f"methods.{method} at budget {budget.name}" + (f", grid point {point}" if point else "")
                     cfg = build_config(tree, source=where)
                     specs.append(RunSpec(rid, method, budget.name, seed, point, cfg))

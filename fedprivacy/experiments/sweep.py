@@ -19,6 +19,8 @@ or grid value) are added.
 Workers are ``spawn``-ed processes (no state shared with the parent; torch uses one thread each). A
 run that would use every core (``processes: null``, the default) gets its share of them instead
 (:func:`cores_per_run`): ``jobs`` runs on ``usable_cores() // jobs`` cores each (at least one).
+Tracking (a run's ``tracking`` section) changes no result: a study may switch it on or off between
+sweeps; its MLflow experiment is created here, before the workers start.
 When the runs use CUDA, each worker sees one GPU (``CUDA_VISIBLE_DEVICES``: worker ``i`` the
 ``i mod n``-th of ``n``, :func:`fedprivacy.devices.worker_gpus`) and there is one worker per GPU by default.
 Data are generated and the preprocessing cache is filled in the parent first, so workers never race
@@ -54,6 +56,7 @@ from fedprivacy.experiments.study import RunSpec, StudyConfig, expand
 from fedprivacy.locks import FolderBusyError, locked
 from fedprivacy.outputs import CHECKPOINT, run_lock
 from fedprivacy.stopping import RunStopped
+from fedprivacy.tracking import experiment_name, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +153,22 @@ def read_manifest(output_dir: Path) -> dict[str, Any]:
     return data
 
 
+def results_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's config (``to_json()`` as a tree) without ``tracking``, which changes no result."""
+    return {k: v for k, v in config.items() if k != "tracking"}
+
+
 def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
-    """Refuse a study whose runs (same id) now have a different config than when they were started.
+    """Refuse a study whose runs (same id) now have a different config than when they were started
+    (:func:`results_config`: tracking may change).
 
     Raises:
         StudyChangedError: names the first such run and the fields that changed.
     """
-    before = {r["run_id"]: r["config"] for r in old["runs"]}
+    before = {r["run_id"]: results_config(r["config"]) for r in old["runs"]}
     for run in new["runs"]:
-        if run["run_id"] in before and before[run["run_id"]] != run["config"]:
-            changed = config_differences(before[run["run_id"]], run["config"])
+        if run["run_id"] in before and before[run["run_id"]] != results_config(run["config"]):
+            changed = config_differences(before[run["run_id"]], results_config(run["config"]))
             diff = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
             raise StudyChangedError(
                 f"{old['study']['output_dir']} holds run {run['run_id']} with a different configuration "
@@ -254,6 +263,18 @@ def prepare_data(specs: list[RunSpec]) -> None:
             load_task(spec.config.data)
 
 
+def prepare_tracking(specs: list[RunSpec]) -> None:
+    """Create the runs' MLflow experiments once, before the workers start: workers creating one at the same time
+    in a file store could make two of the same name."""
+    experiments = {(tracking_uri(s.config.output_dir, s.config.tracking.mlflow_uri),
+                    experiment_name(s.config.output_dir, s.config.tracking)) for s in specs if s.config.tracking.mlflow}
+    if experiments:
+        from fedprivacy.tracking.mlflow_writer import client_for, experiment_id
+
+        for uri, name in sorted(experiments):
+            experiment_id(client_for(uri), name)
+
+
 @contextmanager
 def _single_threaded_children() -> Iterator[None]:
     """BLAS/OpenMP in spawned workers use one thread (torch's own count is set by each run)."""
@@ -322,6 +343,7 @@ def run_sweep(study: StudyConfig, jobs: int | None = None, *, show_progress: boo
         if todo:
             gpus = worker_gpus((s.config.device for s in todo), jobs)
             prepare_data(todo)
+            prepare_tracking(todo)
             _run_parallel(study, specs, todo, len(gpus) if gpus else jobs or usable_cores(), result, show_progress,
                           gpus=gpus)
         return result

@@ -14,7 +14,9 @@ models and ledgers. What the run adds (:class:`DPFedAvgServer`):
   strategy's :class:`~fedprivacy.fl.strategy.NodeContent`), rebuilt at the released ``x_t`` when due;
 - evaluation every ``eval_every`` rounds, ``metrics.csv``, a checkpoint every ``checkpoint_every`` rounds
   (the strategy's state, the side information, the in-process nodes' state) beside the strategy's
-  write-ahead release log, ``summary.json``, ``client_privacy.csv``, the initial and final models.
+  write-ahead release log, ``summary.json``, ``client_privacy.csv``, the initial and final models;
+- the ``tracking`` section's TensorBoard and MLflow logs (:mod:`fedprivacy.tracking`), which get each
+  ``metrics.csv`` row once it is checkpointed (so that a resume has nothing to take back).
 
 Flower's DP wrappers are NOT used: they add noise after the wrapped strategy's step.
 """
@@ -22,9 +24,9 @@ Flower's DP wrappers are NOT used: they add noise after the wrapped strategy's s
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,7 @@ from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
+from fedprivacy.callbacks import RoundCallback
 from fedprivacy.outputs import RunOutputs, noise_mechanism
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier, solve_noise_multiplier
@@ -50,6 +53,7 @@ from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
 from fedprivacy.stopping import RunStopped, stop_requested
 from fedprivacy.task import Task
+from fedprivacy.tracking import RunTracker, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +196,7 @@ class DPFedAvgServer:
         strategy_cls: the strategy's class (the audit's broken variants substitute theirs).
     """
 
-    def __init__(self, cfg: RunConfig, task: Task, on_round: Callable[[int, dict[str, float]], None] | None = None,
+    def __init__(self, cfg: RunConfig, task: Task, on_round: RoundCallback | None = None,
                  strategy_cls: type[DPFedAvg] = DPFedAvg) -> None:
         self.model = initial_model(task, cfg.seed, cfg.device)  # x_0 depends on the seed, not on z
         self.cfg = cfg = resolve_noise_multiplier(cfg, task.population,
@@ -204,6 +208,7 @@ class DPFedAvgServer:
         self.strategy.adopt(model_to_record(self.model))
         self.outputs = RunOutputs(cfg)
         self.grid: Grid | None = None
+        self.tracker: RunTracker | None = None
 
     @property
     def params(self) -> torch.Tensor:
@@ -290,21 +295,30 @@ class DPFedAvgServer:
         log.info("privacy: %s", self.privacy_claim())
         self._resume(checkpoint, grid)
         self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))
-        stop_reason, k = "rounds", 1
-        while self.strategy.round < self.cfg.rounds:
-            if not self._run_round(grid, k):
-                stop_reason = "privacy_budget"
-                break
-            if stop_requested() and self.strategy.round < self.cfg.rounds:
-                self.outputs.save_checkpoint(self.state_dict())
-                raise RunStopped(f"stopped on request after round {self.strategy.round}; its checkpoint holds every "
-                                 "release: --resume continues with nothing lost")
-            k += 1
-        self.outputs.save_model("final_model.pt", self._model_state())
-        self.outputs.save_checkpoint(self.state_dict())
-        summary = self._summary(stop_reason)
-        self.outputs.finish(summary)
+        with open_tracker(self.outputs.dir, self.cfg.tracking, json.loads(self.cfg.to_json()),
+                          self.cfg.privacy.placement, resume=checkpoint is not None) as self.tracker:
+            self.tracker.log_rows(self.outputs.rows)  # checkpointed rounds a tracker may lack (a crash, or newly on)
+            stop_reason, k = "rounds", 1
+            while self.strategy.round < self.cfg.rounds:
+                if not self._run_round(grid, k):
+                    stop_reason = "privacy_budget"
+                    break
+                if stop_requested() and self.strategy.round < self.cfg.rounds:
+                    self._checkpoint()
+                    raise RunStopped(f"stopped on request after round {self.strategy.round}; its checkpoint holds "
+                                     "every release: --resume continues with nothing lost")
+                k += 1
+            self.outputs.save_model("final_model.pt", self._model_state())
+            self._checkpoint()
+            summary = self._summary(stop_reason)
+            self.outputs.finish(summary)
         return summary
+
+    def _checkpoint(self) -> None:
+        """Save the checkpoint, then give the trackers the rows it holds."""
+        self.outputs.save_checkpoint(self.state_dict())
+        assert self.tracker is not None
+        self.tracker.log_rows(self.outputs.rows)
 
     def _summary(self, stop_reason: str) -> dict[str, Any]:
         """``summary.json``: how the run ended, its privacy claim, its last metrics; ``client_privacy.csv``."""
@@ -355,7 +369,7 @@ class DPFedAvgServer:
         t = self.strategy.round
         self.outputs.log_round(row)
         if t % self.cfg.checkpoint_every == 0:
-            self.outputs.save_checkpoint(self.state_dict())
+            self._checkpoint()
         accountant = self.cfg.privacy.budget_accountant
         accuracy = row.get("test_accuracy", float("nan"))
         log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", t, int(row["cohort_sampled"]), accountant,
@@ -373,7 +387,7 @@ class DPFedAvgServer:
 
 
 def build_server_app(cfg: RunConfig | None = None, resume: bool = False,
-                     on_round: Callable[[int, dict[str, float]], None] | None = None) -> ServerApp:
+                     on_round: RoundCallback | None = None) -> ServerApp:
     """A ServerApp bound to ``cfg``, or reading it from Flower's run config when ``cfg`` is None;
     ``on_round`` as in :class:`DPFedAvgServer`."""
     app = ServerApp()

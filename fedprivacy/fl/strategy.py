@@ -46,6 +46,10 @@ with its reason; the round's ``MetricRecord`` counts rejections by reason. A rep
 was not sampled this round, or a second reply from one that was, is dropped with a WARNING (a node
 never contributes twice: the sensitivity is one clipped update).
 
+Watching a run: ``on_round(round, metrics)`` (a :data:`~fedprivacy.callbacks.RoundCallback`, e.g.
+:meth:`fedprivacy.tracking.RunTracker.log_round` for TensorBoard and MLflow) gets each round's metrics, the
+``MetricRecord`` :meth:`DPFedAvg.aggregate_train` returns, as floats.
+
 Crashes: with ``state_dir=PATH`` (:mod:`fedprivacy.fl.strategy_state`) the strategy logs every release
 ahead and checkpoints after every round; a strategy constructed on a PATH that holds state continues
 it: ``start()`` resumes from the checkpoint's round and model (the ``initial_arrays`` it is given are
@@ -86,6 +90,7 @@ from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
+from fedprivacy.callbacks import RoundCallback
 from fedprivacy.privacy.accounting import AccountantKind, accounts, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
@@ -186,6 +191,7 @@ class DPFedAvg(Strategy):
         node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
         state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
             "Crashes"); None: nothing is kept, and a crash loses the ledger.
+        on_round: called with ``(round, metrics)`` after each round's release (module docstring, "Watching a run").
     """
 
     mechanism_cls: type[GaussianMechanism] = GaussianMechanism
@@ -206,7 +212,8 @@ class DPFedAvg(Strategy):
                  device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
                  node_content: NodeContent | None = None, groups: int = 1,
                  secure_aggregation: SecureAggregation | None = None,
-                 node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None) -> None:
+                 node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None,
+                 on_round: RoundCallback | None = None) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
                          "placement": placement, "optimizer": optimizer, "lr": lr,
@@ -265,6 +272,7 @@ class DPFedAvg(Strategy):
         self.rounds_planned: int | None = None  # the run's last round, when known (no draw is prefetched past it)
         self.empty_rounds: list[int] = []  # rounds in which no sampled client's update was accepted
         self.stopped = False
+        self.on_round = on_round
         self.state = None if state_dir is None else StrategyState(state_dir)
         if self.state is not None:
             self.state.load(self.settings)  # a changed setting is refused now, before anything runs
@@ -340,12 +348,16 @@ class DPFedAvg(Strategy):
         if self.stopped or self.params is None:
             return None, None
         if self.secure_aggregation is not None:
-            return self._aggregate_secure(self._offset + server_round, replies)
-        agg = self._aggregator()
-        diagnostics = self._collect(self._offset + server_round, replies, agg)
-        self.round = self._offset + server_round
-        self._report_rejections(agg)
-        return self._finish(agg, self.mechanism.release(agg, self.round), diagnostics)
+            arrays, metrics = self._aggregate_secure(self._offset + server_round, replies)
+        else:
+            agg = self._aggregator()
+            diagnostics = self._collect(self._offset + server_round, replies, agg)
+            self.round = self._offset + server_round
+            self._report_rejections(agg)
+            arrays, metrics = self._finish(agg, self.mechanism.release(agg, self.round), diagnostics)
+        if self.on_round is not None:
+            self.on_round(self.round, {k: float(v) for k, v in metrics.items()})  # type: ignore[arg-type]
+        return arrays, metrics
 
     def _finish(self, agg: PrivateSum, released: Release, diagnostics: _Diagnostics,
                 extra: Mapping[str, float] | None = None) -> tuple[ArrayRecord, MetricRecord]:

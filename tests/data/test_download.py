@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -213,6 +214,31 @@ def test_progress_bar_on_a_terminal(server: _Server, tmp_path: Path) -> None:
     screen = io.StringIO()
     dl.download(tmp_path, base_url=server.url, console=Console(file=screen, force_terminal=True, width=100))
     assert "stackoverflow.sqlite.lzma" in screen.getvalue() and (tmp_path / "stackoverflow.sqlite").is_file()
+
+
+def test_decompressing_advances_a_bar_over_every_compressed_byte_on_a_terminal_only(server: _Server, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    bars: list[dict] = []
+    real = dl.progress_bar
+
+    @contextlib.contextmanager
+    def recorded(description, total, unit, console):
+        bars.append({"total": total, "done": 0, "terminal": console.is_terminal})
+        with real(description, total, unit, console) as advance:
+            def counted(n: int) -> None:
+                bars[-1]["done"] += n
+                advance(n)
+            yield counted
+
+    monkeypatch.setattr(dl, "progress_bar", recorded)
+    screen = io.StringIO()
+    dl.download(tmp_path / "tty", base_url=server.url, console=Console(file=screen, force_terminal=True, width=100))
+    sizes = [len(server.files[archive.name]) for archive in dl.MANIFEST["tff-sqlite"]]
+    assert bars == [{"total": n, "done": n, "terminal": True} for n in sizes]
+    assert "decompressing" in screen.getvalue()
+    plain = io.StringIO()
+    dl.download(tmp_path / "plain", base_url=server.url, console=Console(file=plain, width=100))
+    assert "\x1b" not in plain.getvalue() and "━" not in plain.getvalue()  # no bar, only the plain lines
 
 
 def test_hdf5_format_takes_only_the_listed_files_from_the_tar(server: _Server, archives: dict[str, bytes],
