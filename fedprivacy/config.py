@@ -475,6 +475,21 @@ class MechanismConfig(_Section):
     """BLT's buffers."""
 
 
+class CanaryConfig(_Section):
+    """Canary clients for the run's empirical privacy estimates (:mod:`fedprivacy.fl.canaries`, docs/audit.md)."""
+
+    count: int = Field(ge=4)
+    """Canaries in the population (sampled like users), each included with probability 1/2: an included one sends
+    its random direction (clipped to C), an excluded one a zero update."""
+    unused: int = Field(100, ge=2)
+    """Further random directions that never enter the run (the one-shot estimate's null, with the excluded ones)."""
+    seed: int | None = None
+    """Seed of the directions and the inclusions, held apart from the run's seed (None: from the OS, kept in the
+    checkpoint)."""
+    confidence: float = Field(0.95, gt=0.0, lt=1.0)
+    """Of the one-shot estimate's interval and of the one-run lower bound."""
+
+
 class SecureAggregationConfig(_Section):
     """SecAgg+ with the distributed Skellam mechanism (fedprivacy.fl.secure_aggregation): the server learns only
     the sum of the clients' noisy integer shares. Needs ``placement: distributed`` and Poisson sampling."""
@@ -546,6 +561,8 @@ class PrivacyConfig(_Section):
     cyclic schedules, the same ``groups``), never to this simulation. Works with every mechanism kind."""
     noise_population: int | None = Field(None, ge=1)
     """Population of the emulated deployment (default: the simulated population)."""
+    canaries: CanaryConfig | None = None
+    """Canary clients counted in the population, for the run's empirical epsilon (docs/audit.md)."""
     noise_stream: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
     """``module:factory`` of the server's noise across rounds (a ``fedprivacy.privacy.noise.NoiseStream``,
     built as ``factory(seed, device=..., secure=...)``); None: independent Gaussian noise every round.
@@ -813,6 +830,22 @@ class RunConfig(_Section):
         if self.privacy.placement == "local":
             raise ValueError("client.sample_dp with privacy.placement='local' is not supported (both report a "
                              "per-client epsilon, for different neighbouring units)")
+        return self
+
+    @model_validator(mode="after")
+    def _canaries_fit_the_run(self) -> RunConfig:
+        p = self.privacy
+        if p.canaries is None:
+            return self
+        wrong = {name: value for name, value, ok in (
+            ("privacy.placement", p.placement, "central"), ("privacy.secure_aggregation", p.secure_aggregation, None),
+            ("privacy.mechanism.kind", p.mechanism.kind, "independent"), ("privacy.noise_stream", p.noise_stream, None),
+            ("privacy.noise_cohort", p.noise_cohort, None), ("client.sample_dp", self.client.sample_dp, None),
+            ("engine", self.engine, "inprocess")) if value != ok}
+        if wrong:
+            raise ValueError("privacy.canaries needs (for now) central placement, independent Gaussian noise, no secure "
+                             "aggregation, no large-cohort emulation, no client.sample_dp and engine 'inprocess'; got "
+                             + ", ".join(f"{k}={v!r}" for k, v in wrong.items()))
         return self
 
     def to_json(self) -> str:

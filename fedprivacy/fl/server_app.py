@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from torch.nn.utils import vector_to_parameters
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.config import ConfigError, MicroAdamConfig, RunConfig
+from fedprivacy.fl.canaries import RunCanaries
 from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.run_config import config_from_context
@@ -199,11 +200,15 @@ class DPFedAvgServer:
     def __init__(self, cfg: RunConfig, task: Task, on_round: RoundCallback | None = None,
                  strategy_cls: type[DPFedAvg] = DPFedAvg) -> None:
         self.model = initial_model(task, cfg.seed, cfg.device)  # x_0 depends on the seed, not on z
-        self.cfg = cfg = resolve_noise_multiplier(cfg, task.population,
-                                                  sum(p.numel() for p in self.model.parameters()))
-        self.task, self.on_round, self.population = task, on_round, task.population
+        dim = sum(p.numel() for p in self.model.parameters())
+        c = cfg.privacy.canaries  # canary clients: members of the population (fedprivacy.fl.canaries)
+        self.canaries = RunCanaries(c, task.population, dim) if c is not None else None
+        self.initial_params = parameters_to_vector(self.model.parameters()).detach().clone() if c else None
+        self.population = task.population + (c.count if c else 0)
+        self.cfg = cfg = resolve_noise_multiplier(cfg, self.population, dim)
+        self.task, self.on_round = task, on_round
         self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
-        self.strategy = build_strategy(cfg, task.population, self.model, strategy_cls, self.side_info)
+        self.strategy = build_strategy(cfg, self.population, self.model, strategy_cls, self.side_info)
         self.strategy.rounds_planned = cfg.rounds
         self.strategy.adopt(model_to_record(self.model))
         self.outputs = RunOutputs(cfg)
@@ -222,14 +227,21 @@ class DPFedAvgServer:
         clients' own states (real SuperNodes keep theirs)."""
         return {**self.strategy.state_dict(),
                 "side_information": self.side_info.state_dict() if self.side_info else None,
+                "canaries": self.canaries.state_dict() if self.canaries else None,
                 "node_states": self.grid.node_state_dict() if hasattr(self.grid, "node_state_dict") else None}
 
     def _resume(self, checkpoint: dict[str, Any] | None, grid: Grid) -> None:
         """Continue from ``checkpoint`` (None: a fresh run) with every logged release accounted."""
         if checkpoint is None:
             self.outputs.save_model("initial_model.pt", self._model_state())
-        elif self.side_info:
-            self.side_info.load_state_dict(checkpoint["side_information"])
+        else:
+            if self.side_info:
+                self.side_info.load_state_dict(checkpoint["side_information"])
+            if self.canaries:
+                if checkpoint.get("canaries") is None:
+                    raise ConfigError("privacy.canaries is set but the checkpoint holds no canaries (the run started "
+                                      "without them): a run's canaries are part of its population from round 1")
+                self.canaries.load_state_dict(checkpoint["canaries"])
         self.strategy.resume(checkpoint, ReleaseLog(self.outputs.dir))
         if checkpoint is None:
             return
@@ -294,6 +306,8 @@ class DPFedAvgServer:
             placement="secure aggregation (Skellam)" if p.secure_aggregation else p.placement))
         log.info("privacy: %s", self.privacy_claim())
         self._resume(checkpoint, grid)
+        if self.canaries:  # after the resume: the canaries' seed is the checkpoint's
+            self.grid = grid = self.canaries.grid(grid)
         self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))
         with open_tracker(self.outputs.dir, self.cfg.tracking, json.loads(self.cfg.to_json()),
                           self.cfg.privacy.placement, resume=checkpoint is not None) as self.tracker:
@@ -330,6 +344,12 @@ class DPFedAvgServer:
                    "data": data_provenance(self.cfg.data), **(self.outputs.rows[-1] if self.outputs.rows else {})}
         if self.side_info:
             summary["side_information"] = self.side_info.builds[-1]
+        if self.canaries:
+            assert self.initial_params is not None
+            accountant = p.budget_accountant
+            summary["empirical_epsilon"] = {
+                **self.canaries.estimates(self.params - self.initial_params.to(self.params.device), s.delta),
+                "accountant": accountant, "epsilon_claimed": summary.get(f"epsilon_{accountant}")}
         if len(s.client_ledgers):  # per-client guarantees: a file with every client, extremes in the summary
             s.client_ledgers.write_csv(self.outputs.dir / "client_privacy.csv", s.delta, list(p.accountants))
             summary.update(s.client_ledgers.summary(s.delta, p.budget_accountant))

@@ -1,0 +1,184 @@
+r"""Canary clients in ``fedprivacy run``: members of the population whose updates the auditor chose, and the run's
+two empirical privacy estimates from them (:mod:`fedprivacy.privacy.canary_estimates`).
+
+``privacy.canaries: {count: k, unused: k'}`` adds ``k`` canaries to the ``N`` users: the run's population is
+``N + k``, the sampler samples them like users, and the epsilon the run reports holds for every member, canaries
+included. Canary ``i`` has the direction :math:`c_i \sim \mathcal N(0, I_d)` and is included with probability
+1/2 (both drawn from a seed held apart from the run's: ``privacy.canaries.seed``, or the OS, kept in the
+checkpoint); whenever it is sampled, an included canary replies :math:`2C_t\,c_i/\|c_i\|` (clipped by the
+server to exactly :math:`C_t`) and an excluded one a zero update. The ``k'`` unused directions never enter the run.
+
+The canaries are answered by :class:`CanaryGrid`, a wrapper of the run's Flower ``Grid`` that gives them node
+ids after the users' and answers their ``train`` messages itself: the strategy samples, clips, noises and
+accounts their replies exactly like the users' (it cannot tell them apart), and neither the strategy nor the
+ClientApp changes.
+
+At the end (:meth:`RunCanaries.estimates`) each canary's score is the cosine between the run's model change
+:math:`x_T - x_0` and its direction:
+
+- Andrew et al. (arXiv:2302.03098, Alg. 1): the included canaries' cosines against those of the excluded ones
+  and the unused directions (:func:`~fedprivacy.privacy.canary_estimates.one_shot_epsilon`);
+- Steinke et al. (arXiv:2305.08846, Thm. 3.1): guesses "included" for the ``k // 4`` highest scores and
+  "excluded" for the ``k // 4`` lowest, abstaining on the middle half
+  (:func:`~fedprivacy.privacy.canary_estimates.one_run_bound`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Iterator
+from typing import Any
+from uuid import uuid4
+
+import numpy as np
+import torch
+from flwr.app import Error, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from fedprivacy.config import CanaryConfig
+from fedprivacy.fl.records import update_to_record
+from fedprivacy.privacy.canary_estimates import cosines, one_run_bound, one_shot_epsilon
+from fedprivacy.privacy.noise import torch_seed
+from fedprivacy.updates import SparseUpdate
+
+DIRECTION_STREAM = 0x64697263  # "dirc": canary i's direction, per canary seed
+INCLUSION_STREAM = 0x696E636C  # "incl": which canaries are included
+BOOTSTRAP_STREAM = 0x626F6F74  # "boot": the one-shot estimate's bootstrap
+CANARY_NORM = 2.0  # an included canary's norm, in units of the round's clip norm: always clipped to exactly C_t
+NOT_A_TRAIN_MESSAGE = 1  # error code of a canary's reply to anything but ``train``
+
+
+class RunCanaries:
+    """The canaries of one run over ``users`` users and a model of ``dim`` parameters (module docstring)."""
+
+    def __init__(self, cfg: CanaryConfig, users: int, dim: int) -> None:
+        self.cfg, self.users, self.dim = cfg, users, dim
+        self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
+
+    @property
+    def count(self) -> int:
+        return self.cfg.count
+
+    @property
+    def included(self) -> np.ndarray:
+        """Whether each canary is included (probability 1/2 each, from the canary seed)."""
+        return np.random.default_rng(np.random.SeedSequence([self.seed, INCLUSION_STREAM])).random(self.count) < 0.5
+
+    def direction(self, i: int) -> torch.Tensor:
+        """Unit direction ``i`` (``0..count-1``: the canaries, ``count..count+unused-1``: the unused ones)."""
+        g = torch.Generator().manual_seed(torch_seed(np.random.SeedSequence([self.seed, DIRECTION_STREAM, i])))
+        c = torch.randn(self.dim, generator=g)
+        return c / torch.linalg.vector_norm(c)
+
+    def update(self, i: int, clip_norm: float) -> torch.Tensor:
+        """Canary ``i``'s reply: its direction at ``CANARY_NORM * clip_norm`` if included, else zero."""
+        return self.direction(i) * (CANARY_NORM * clip_norm) if self.included[i] else torch.zeros(self.dim)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the seed a run started with (its directions and inclusions); a configured seed must match it."""
+        if self.cfg.seed is not None and state["seed"] != self.cfg.seed:
+            raise ValueError(f"privacy.canaries.seed={self.cfg.seed} differs from the seed the run started with: its "
+                             "canaries would change mid-run")
+        self.seed = state["seed"]
+
+    def grid(self, grid: Grid) -> CanaryGrid:
+        return CanaryGrid(grid, self)
+
+    def scores(self, change: torch.Tensor) -> np.ndarray:
+        """Cosines of ``change`` with every direction (canaries, then unused), 64 at a time."""
+        total = self.count + self.cfg.unused
+        flat = change.detach().to("cpu", torch.float32)
+        return np.concatenate([cosines(flat, torch.stack([self.direction(i) for i in range(a, min(a + 64, total))]))
+                               for a in range(0, total, 64)])
+
+    def estimates(self, change: torch.Tensor, delta: float) -> dict[str, Any]:
+        """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``)."""
+        scores, inc = self.scores(change), self.included
+        canary, unused = scores[:self.count], scores[self.count:]
+        beta = 1 - self.cfg.confidence
+        andrew = one_shot_epsilon(canary[inc], np.concatenate([canary[~inc], unused]), delta,
+                                  confidence=self.cfg.confidence,
+                                  rng=np.random.default_rng(np.random.SeedSequence([self.seed, BOOTSTRAP_STREAM])))
+        steinke = one_run_bound(canary, inc, self.count // 4, self.count // 4, delta, beta)
+        return {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta,
+                "andrew": {"epsilon": andrew.epsilon, "interval": list(andrew.interval),
+                           "epsilon_separate_variances": andrew.epsilon_separate,
+                           "interval_separate_variances": list(andrew.interval_separate),
+                           "confidence": andrew.confidence, "inserted": andrew.inserted,
+                           "unobserved": andrew.unobserved, "cosine_mean": andrew.mean, "cosine_std": andrew.std,
+                           "null_cosine_mean": andrew.null_mean, "null_cosine_std": andrew.null_std},
+                "steinke": {"epsilon_lower_bound": steinke.epsilon_lower_bound, "confidence": steinke.confidence,
+                            "guesses": steinke.guesses, "correct": steinke.correct}}
+
+
+class CanaryGrid(Grid):
+    """The run's ``grid`` with the canaries' nodes added after its own (module docstring); everything else, e.g.
+    the nodes' states, is the wrapped grid's."""
+
+    def __init__(self, grid: Grid, canaries: RunCanaries) -> None:
+        self.inner, self.canaries = grid, canaries
+        users = list(grid.partition_nodes())
+        base = max(users, default=1) + 1
+        self._nodes = users + [base + i for i in range(canaries.count)]
+        self._canary_of = {base + i: i for i in range(canaries.count)}
+        self._replies: dict[str, Message] = {}
+
+    def __getattr__(self, name: str) -> Any:  # node_state_dict, load_node_state_dict, close, ...
+        return getattr(self.inner, name)
+
+    def partition_nodes(self) -> list[int]:
+        """The users' nodes, then the canaries'."""
+        return list(self._nodes)
+
+    @property
+    def run(self):  # type: ignore[override]
+        return self.inner.run
+
+    def set_run(self, run_id: int) -> None:
+        self.inner.set_run(run_id)
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self.inner.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.inner.get_node_ids()) + list(self._canary_of)
+
+    def _reply(self, msg: Message) -> Message:
+        if msg.metadata.message_type != "train":
+            return Message(Error(code=NOT_A_TRAIN_MESSAGE, reason="canary clients answer train messages only"),
+                           reply_to=msg)
+        clip_norm = float(msg.content["config"]["clip-norm"])
+        update = self.canaries.update(self._canary_of[msg.metadata.dst_node_id], clip_norm)
+        return Message(RecordDict({"arrays": update_to_record(SparseUpdate.dense(update)),
+                                   "metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)
+
+    def _split(self, messages: Iterable[Message]) -> tuple[list[Message], list[Message]]:
+        messages = list(messages)
+        return ([m for m in messages if m.metadata.dst_node_id not in self._canary_of],
+                [m for m in messages if m.metadata.dst_node_id in self._canary_of])
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        theirs, ours = self._split(messages)
+        ids = list(self.inner.push_messages(theirs)) if theirs else []
+        for msg in ours:
+            key = str(uuid4())
+            self._replies[key] = self._reply(msg)
+            ids.append(key)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        ids = list(message_ids)
+        theirs = [i for i in ids if i not in self._replies]
+        ours = [self._replies.pop(i) for i in ids if i in self._replies]
+        return (list(self.inner.pull_messages(theirs)) if theirs else []) + ours
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+        """The users' replies from the wrapped grid (lazily), then the canaries'."""
+        theirs, ours = self._split(messages)
+        if theirs:
+            yield from self.inner.send_and_receive(theirs, timeout=timeout)
+        for msg in ours:
+            yield self._reply(msg)

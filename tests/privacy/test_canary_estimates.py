@@ -1,0 +1,189 @@
+"""The two one-run privacy estimates (fedprivacy.privacy.canary_estimates): their defining properties, and
+their validity and power on simulated mechanisms whose epsilon is known."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.integrate import quad
+from scipy.stats import binom, norm
+
+from fedprivacy.privacy.audit_stats import gdp_epsilon
+from fedprivacy.privacy.canary_estimates import (_delta_one_way, cosines, gaussian_pair_epsilon, one_run_bound,
+                                                 one_run_epsilon_lower_bound, one_run_p_value, one_shot_epsilon)
+
+DELTA = 1e-5
+
+
+@given(mu=st.floats(0.05, 8.0), delta=st.sampled_from([1e-6, 1e-5, 1e-3, 0.05]),
+       ratio=st.sampled_from([1 + 1e-9, 1 - 1e-9]))
+@settings(max_examples=40, deadline=None)
+def test_unequal_variance_path_converges_to_the_gdp_conversion(mu, delta, ratio):
+    """The numerical privacy profile of two Gaussians, at a std ratio of 1 +- 1e-9, is the GDP conversion."""
+    assert gaussian_pair_epsilon(mu, 1.0, 0.0, 1.0, delta) == gdp_epsilon(mu, delta)  # the shared function
+    assert gaussian_pair_epsilon(mu, ratio, 0.0, 1.0, delta) == pytest.approx(gdp_epsilon(mu, delta), rel=1e-4,
+                                                                              abs=1e-6)
+
+
+@given(m1=st.floats(-3, 3), s1=st.floats(0.3, 3), m0=st.floats(-3, 3), s0=st.floats(0.3, 3),
+       eps=st.floats(0.0, 4.0))
+@settings(max_examples=30, deadline=None)
+def test_privacy_profile_is_the_hockey_stick_integral(m1, s1, m0, s0, eps):
+    """delta_{P||Q}(eps) = integral of (p(x) - e^eps q(x))_+ dx, the definition, by quadrature."""
+    if abs(s1 - s0) < 1e-6:
+        s1 = s0 + 1e-3
+    p, q = norm(m1, s1), norm(m0, s0)
+    lo, hi = min(m1 - 12 * s1, m0 - 12 * s0), max(m1 + 12 * s1, m0 + 12 * s0)
+    edges = np.linspace(lo, hi, 41)
+    exact = sum(quad(lambda x: max(p.pdf(x) - math.exp(eps) * q.pdf(x), 0.0), a, b, epsabs=1e-12)[0]
+                for a, b in zip(edges[:-1], edges[1:]))
+    assert _delta_one_way(eps, (m1, s1), (m0, s0)) == pytest.approx(exact, abs=1e-7)
+
+
+@given(m1=st.floats(-2, 2), s1=st.floats(0.2, 3), m0=st.floats(-2, 2), s0=st.floats(0.2, 3))
+@settings(max_examples=30, deadline=None)
+def test_pair_epsilon_is_symmetric_and_zero_for_equal_laws(m1, s1, m0, s0):
+    assert gaussian_pair_epsilon(m1, s1, m0, s0, DELTA) == gaussian_pair_epsilon(m0, s0, m1, s1, DELTA)
+    assert gaussian_pair_epsilon(m1, s1, m1, s1, DELTA) == 0.0
+
+
+def test_point_masses():
+    assert gaussian_pair_epsilon(1.0, 0.0, 0.0, 0.0, DELTA) == math.inf
+    assert gaussian_pair_epsilon(0.0, 0.0, 0.0, 1.0, DELTA) == math.inf
+    assert gaussian_pair_epsilon(0.0, 0.0, 0.0, 0.0, DELTA) == 0.0
+    with pytest.raises(ValueError, match="delta"):
+        gaussian_pair_epsilon(0.0, 1.0, 0.0, 1.0, 0.0)
+
+
+def _gaussian_release(z: float, inserted: int, unobserved: int, dim: int, seed: int, noise: bool = True):
+    """One Gaussian-mechanism release of ``inserted`` unit canaries (sensitivity 1, noise std z), and the
+    cosines of the inserted and of fresh canaries with it."""
+    g = torch.Generator().manual_seed(seed)
+    directions = torch.randn(inserted + unobserved, dim, generator=g, dtype=torch.float64)
+    directions /= directions.norm(dim=1, keepdim=True)
+    change = directions[:inserted].sum(0) + (z * torch.randn(dim, generator=g, dtype=torch.float64) if noise else 0)
+    scores = cosines(change, directions)
+    return scores[:inserted], scores[inserted:]
+
+
+def test_one_shot_estimate_of_a_gaussian_release_is_its_epsilon():
+    """A Gaussian release with noise z is exactly (1/z)-GDP for each canary: the estimate's interval holds that
+    epsilon, and the separate-variances estimate reads higher, never lower, on average (its bias)."""
+    z, claim = 1.0, gdp_epsilon(1.0, DELTA)
+    observed, unobserved = _gaussian_release(z, 300, 300, 20_000, seed=1)
+    est = one_shot_epsilon(observed, unobserved, DELTA, rng=np.random.default_rng(0), resamples=300)
+    assert est.interval[0] <= claim <= est.interval[1]
+    assert est.epsilon == pytest.approx(claim, rel=0.25)
+    assert est.null_std == pytest.approx(1 / math.sqrt(20_000), rel=0.15)
+
+
+def test_one_shot_estimate_does_not_exceed_a_correct_claim():
+    """Simulated (40 runs, the high-dimensional cosine law of a (1/z)-GDP release): the 95% interval's lower end
+    stays at or below the true epsilon in at least 36 of them (expected 39)."""
+    rng = np.random.default_rng(7)
+    z, dim, k = 2.0, 10_000, 200
+    claim = gdp_epsilon(1 / z, DELTA)
+    below = 0
+    for _ in range(40):
+        observed = (1 / z + rng.standard_normal(k)) / math.sqrt(dim)
+        unobserved = rng.standard_normal(k) / math.sqrt(dim)
+        below += one_shot_epsilon(observed, unobserved, DELTA, rng=rng, resamples=200).interval[0] <= claim
+    assert below >= 36
+
+
+def test_one_shot_estimate_without_noise_is_large():
+    observed, unobserved = _gaussian_release(0.0, 50, 50, 5_000, seed=2, noise=False)
+    est = one_shot_epsilon(observed, unobserved, DELTA, rng=np.random.default_rng(0), resamples=100)
+    assert est.epsilon > 30 and est.interval[0] > 30
+
+
+def test_one_shot_refuses_too_few_canaries():
+    with pytest.raises(ValueError, match="at least 2 inserted"):
+        one_shot_epsilon(np.zeros(1), np.zeros(5), DELTA, rng=np.random.default_rng(0))
+
+
+def test_cosines_of_a_zero_change_are_zero():
+    assert (cosines(torch.zeros(4), torch.eye(4)) == 0).all()
+    assert cosines(torch.tensor([3.0, 4.0]), torch.tensor([[1.0, 0.0], [0.0, -2.0]])) == pytest.approx([0.6, -0.8])
+
+
+@given(r=st.integers(1, 60), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_pure_dp_p_value_is_the_binomial_tail(r, data):
+    """Steinke et al. Thm. 3.1 at delta = 0: P[W >= v] <= P[Binomial(r, e^eps / (1 + e^eps)) >= v]."""
+    v = data.draw(st.integers(0, r))
+    eps = data.draw(st.floats(0.0, 5.0))
+    q = math.exp(eps) / (1 + math.exp(eps))
+    assert one_run_p_value(100, r, v, eps, 0.0) == pytest.approx(binom.sf(v - 1, r, q), rel=1e-12, abs=1e-300)
+
+
+def test_p_value_delta_term_is_the_theorems():
+    """The delta term 2 m delta max_i (f(v - i) - f(v)) / i, written out from the binomial CDF."""
+    m, r, v, eps, delta = 500, 40, 33, 1.0, 1e-4
+    q = math.exp(eps) / (1 + math.exp(eps))
+    f = lambda u: binom.sf(u - 1, r, q)  # noqa: E731
+    expected = f(v) + 2 * m * delta * max((f(v - i) - f(v)) / i for i in range(1, v + 1))
+    assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(expected, rel=1e-9)
+
+
+def test_one_run_bound_is_valid_for_randomized_response():
+    """Randomized response at eps is exactly eps-DP for each canary and meets Thm. 3.1 with equality: guessing
+    every canary, the bound exceeds eps in at most beta of 4000 runs (plus 3 standard errors)."""
+    eps, m, beta = 1.0, 200, 0.05
+    correct = np.random.default_rng(3).binomial(m, math.exp(eps) / (1 + math.exp(eps)), size=4000)
+    bounds = {v: one_run_epsilon_lower_bound(m, m, int(v), 0.0, beta) for v in np.unique(correct)}
+    exceed = np.mean([bounds[v] > eps for v in correct])
+    assert exceed <= beta + 3 * math.sqrt(beta * (1 - beta) / 4000)
+    assert exceed > 0.01  # and the bound is not vacuous: it reaches the truth at about the stated rate
+
+
+def _gaussian_canaries(mu: float, m: int, rng: np.random.Generator):
+    included = rng.random(m) < 0.5
+    return included * mu + rng.standard_normal(m), included
+
+
+def test_one_run_bound_is_valid_for_a_gaussian_mechanism():
+    """Each canary's inclusion shifts its score by mu against unit Gaussian noise (mu-GDP): the 95% bound stays
+    below the true epsilon in at least 95% of 200 runs (allowing 3 standard errors)."""
+    rng = np.random.default_rng(11)
+    mu, m = 2.0, 1000
+    truth = gdp_epsilon(mu, DELTA)
+    exceed = 0
+    for _ in range(200):
+        scores, included = _gaussian_canaries(mu, m, rng)
+        exceed += one_run_bound(scores, included, 100, 100, DELTA, 0.05).epsilon_lower_bound > truth
+    assert exceed / 200 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 200)
+
+
+def test_one_run_bound_catches_a_mechanism_with_too_little_noise():
+    """The run claims mu = 0.5 (its accountant's epsilon) but adds the noise of mu = 8: the bound exceeds the claim."""
+    scores, included = _gaussian_canaries(8.0, 1000, np.random.default_rng(5))
+    result = one_run_bound(scores, included, 100, 100, DELTA, 0.05)
+    assert result.correct == 200
+    assert result.epsilon_lower_bound > gdp_epsilon(0.5, DELTA)
+
+
+def test_one_run_bound_counts_the_guesses():
+    scores = np.array([5.0, -1.0, 3.0, 0.0, -4.0, 2.0])
+    included = np.array([True, False, False, True, False, True])
+    result = one_run_bound(scores, included, 2, 2, DELTA)
+    assert (result.guesses, result.correct) == (4, 3)  # top 2: 5 (in), 3 (out); bottom 2: -4 (out), -1 (out)
+
+
+@given(m=st.integers(-2, 5), r=st.integers(-2, 5), v=st.integers(-2, 5))
+def test_one_run_bound_refuses_impossible_counts(m, r, v):
+    if 0 <= v <= r <= m:
+        assert one_run_epsilon_lower_bound(m, r, v, DELTA, 0.05) >= 0
+    else:
+        with pytest.raises(ValueError, match="correct <= guesses <= canaries"):
+            one_run_epsilon_lower_bound(m, r, v, DELTA, 0.05)
+
+
+def test_one_run_bound_refuses_bad_guess_counts():
+    with pytest.raises(ValueError, match="k_plus=3 and k_minus=2"):
+        one_run_bound(np.zeros(4), np.zeros(4, dtype=bool), 3, 2, DELTA)
+    with pytest.raises(ValueError, match="one length"):
+        one_run_bound(np.zeros(4), np.zeros(3, dtype=bool), 1, 1, DELTA)
