@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 import torch
 from dp_accounting import pld, rdp
+from hypothesis import given
+from hypothesis import strategies as st
 from opacus.accountants import RDPAccountant
 
 from fedprivacy.checkpoints import load_checkpoint
-from fedprivacy.config import ConfigError
+from fedprivacy.config import ConfigError, build_config, plugins
 from fedprivacy.fl.server_app import resolve_noise_multiplier
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.optim.fedopt import ServerAdam
 from fedprivacy.optim.server_sgd import ServerSGD
-from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
+from fedprivacy.privacy.accounting import CoveredRelease, GaussianRound, PrivacyLedger, epsilon
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.mechanism import GaussianMechanism
 from fedprivacy.privacy.release_log import ReleaseLog
@@ -59,6 +61,31 @@ class DoublingRatePoisson:
 
     def load_state_dict(self, state: dict) -> None:
         self._rng.bit_generator.state = state["bit_generator"]
+
+
+class Halves:
+    """Every user every other round: the even users in odd releases, the odd ones in even releases (separation
+    2, no sampling), accounted once per cycle of two releases as one unamplified Gaussian."""
+
+    kind = "halves"
+    separation = 2
+
+    def __init__(self, population: int, expected_cohort: int, seed: int, secure: bool, groups: int) -> None:
+        self.population = population
+
+    def sample(self, release: int) -> np.ndarray:
+        return np.arange((release - 1) % 2, self.population, 2)
+
+    def round_event(self, noise_multiplier: float, release: int) -> GaussianRound | CoveredRelease:
+        if release % 2 == 0:
+            return CoveredRelease(noise_multiplier=noise_multiplier, by="cycle")
+        return GaussianRound(noise_multiplier, "none", self.population, float(self.population))
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert state == {}
 
 
 class SignumDecay:
@@ -126,6 +153,17 @@ def test_a_correlated_stream_refuses_a_schedule_that_bounds_no_participation():
     with pytest.raises(ValueError, match=r"needs privacy.sampling: .*got 'doubling_rate_poisson'.* unbounded"):
         GaussianMechanism(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=40, seed=0,
                           sampling=DoublingRatePoisson, noise_stream=stream)
+
+
+def test_a_correlated_stream_takes_a_schedule_of_ones_own_with_its_separation():
+    """The rule asks the schedule's separation, not its name: ``Halves`` is min_separated with b = 2 and m = N / 2."""
+    def mechanism(sampling):
+        return GaussianMechanism(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=20, population=40, seed=0,
+                                 sampling=sampling, groups=2,
+                                 noise_stream=CorrelatedMechanism(kind="blt", horizon=6, groups=2, bands=1, buffers=1))
+    own, named = mechanism(Halves), mechanism("min_separated")
+    assert own.planned_ledger(6).entries == named.planned_ledger(6).entries
+    assert all(np.array_equal(own.sampler.sample(k), named.sampler.sample(k)) for k in range(1, 7))
 
 
 def test_fedprivacy_run_takes_both_parts_from_the_config_and_accounts_the_schedule(small_config):
@@ -210,6 +248,26 @@ def test_a_part_that_cannot_be_used_is_refused_naming_the_field(small_config, ov
 def test_a_spec_names_the_field_in_the_config_error(small_config):
     with pytest.raises(ConfigError, match=r"server.optimizer.*'adamw'"):
         small_config("server.optimizer=adamw")
+
+
+BUILT_IN = {"privacy.sampling": ("poisson", "fixed", "cyclic_poisson", "min_separated"),
+            "server.optimizer": ("sgd", "adam", "yogi", "adagrad", "adambc", "microadam")}
+
+
+@given(field=st.sampled_from(sorted(BUILT_IN)),
+       value=st.one_of(st.text(max_size=24), st.sampled_from(["a:b", "a.b:c.d", "_m:_f", "a:", ":b", "a::b", "a:b c",
+                                                              "1a:b", "a:b:c", "a-b:c", "poisson", "sgd", "adam:"])))
+def test_a_value_is_a_built_in_name_a_plugin_spec_or_refused_naming_the_field(field, value):
+    section, name = field.split(".")
+    try:
+        cfg = build_config({section: {name: value}}, [])
+    except ConfigError as err:
+        assert field in str(err)
+        return
+    assert value in BUILT_IN[field] or plugins(cfg) == {field: value}
+    if value not in BUILT_IN[field]:
+        module, _, attribute = value.partition(":")
+        assert module and attribute and ":" not in attribute and " " not in value
 
 
 def test_auto_calibrates_on_the_schedules_own_events(small_config):
