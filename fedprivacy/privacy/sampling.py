@@ -89,8 +89,8 @@ class _Sampler(abc.ABC):
                 f"privacy.expected_cohort={expected_cohort} must be between 1 and the population ({population})"
             )
         if groups != 1:
-            raise ValueError(f"privacy.groups={groups} needs a cyclic privacy.sampling (cyclic_poisson, min_separated), "
-                             f"got {self.kind!r}")
+            raise ValueError(f"privacy.groups={groups} needs a cyclic privacy.sampling (cyclic_poisson, "
+                             f"min_separated), got {self.kind!r}")
         self.population = population
         self.expected_cohort = expected_cohort
         entropy = secrets.randbits(128) if secure else [seed, SAMPLING_STREAM]

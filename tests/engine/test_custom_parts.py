@@ -174,7 +174,8 @@ def test_fedprivacy_run_takes_both_parts_from_the_config_and_accounts_the_schedu
     expected = _expected_epsilons(cfg.privacy.noise_multiplier, population, m, 4, summary["delta"])
     assert summary["releases"] == 4
     assert summary["epsilon_pld"] == pytest.approx(expected["pld"], rel=1e-6)
-    events = [GaussianRound(cfg.privacy.noise_multiplier, "poisson", population, float(c)) for c in (m, 2 * m, m, 2 * m)]
+    z = cfg.privacy.noise_multiplier
+    events = [GaussianRound(z, "poisson", population, float(c)) for c in (m, 2 * m, m, 2 * m)]
     assert [e["event"] for e in ReleaseLog(cfg.output_dir).entries] == events
     assert summary["epsilon_rdp"] == epsilon(PrivacyLedger([(e, 1) for e in events]), summary["delta"], "rdp")
     saved = load_checkpoint(cfg.output_dir / "checkpoint.pt")
