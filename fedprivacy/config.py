@@ -37,6 +37,8 @@ NoiseMultiplier = Annotated[float, Field(ge=0.0, le=MAX_NOISE_STD), AfterValidat
 """z = noise std / clip norm: 0, or within what the accountants compute."""
 Delta = Annotated[float, Field(ge=MIN_DELTA, lt=1.0)]
 """A delta within what the accountants compute."""
+PluginSpec = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]
+"""``package.module:factory``: a plug-in a run imports and calls (:func:`plugins`)."""
 
 
 class ConfigError(ValueError):
@@ -410,7 +412,10 @@ class ServerConfig(_Section):
     optimizer's paper defaults (see ``fedprivacy.optim.factory``).
     """
 
-    optimizer: Literal["sgd", "adam", "yogi", "adagrad", "adambc", "microadam"] = "sgd"
+    optimizer: Literal["sgd", "adam", "yogi", "adagrad", "adambc", "microadam"] | PluginSpec = "sgd"
+    """A built-in optimizer, or ``package.module:factory`` of a server step of one's own (a
+    ``fedprivacy.optim.factory.ServerOptimizerFactory``, called as ``factory(lr, **settings)`` with the settings
+    below that are set)."""
     lr: float = Field(1.0, ge=0.0)
     momentum: float | None = Field(None, ge=0.0, lt=1.0)
     """Heavy-ball momentum (sgd only; 0.9 when not given)."""
@@ -443,6 +448,10 @@ class ServerConfig(_Section):
         from fedprivacy.optim.factory import check_settings
 
         given = self.explicit_settings()
+        if ":" in self.optimizer:  # a plug-in: its factory takes the settings that are set, or refuses them
+            if self.microadam is not None:
+                raise ValueError(f"server.microadam configures server.optimizer: microadam, not {self.optimizer!r}")
+            return self
         if self.optimizer == "adambc":
             given |= {"gamma_prime", "phi"}  # both derived when unset
         try:
@@ -524,12 +533,14 @@ class PrivacyConfig(_Section):
     """z = noise std / clip_norm on the SUM of clipped updates; 0 is valid (no privacy). ``auto``:
     calibrated when the run starts (the population is known then) so that epsilon after ``rounds``
     rounds under ``budget_accountant`` is within 1% below ``target_epsilon``."""
-    sampling: Literal["poisson", "fixed", "cyclic_poisson", "min_separated"] = "poisson"
+    sampling: Literal["poisson", "fixed", "cyclic_poisson", "min_separated"] | PluginSpec = "poisson"
     """poisson: each user joins independently with q = expected_cohort / population;
     fixed: exactly expected_cohort users without replacement; cyclic_poisson and min_separated: the users in
     ``groups`` groups take turns (one user joins at most every ``groups`` rounds), Poisson with
     q = expected_cohort * groups / population or expected_cohort users without replacement within the group
-    (fedprivacy.privacy.sampling)."""
+    (fedprivacy.privacy.sampling); or ``package.module:factory`` of a schedule of one's own (a
+    ``fedprivacy.privacy.sampling.ScheduleFactory``, built with population, expected_cohort, the seed, secure_noise
+    and groups, and accounted as its ``round_event`` says)."""
     groups: int = Field(1, ge=1)
     """b, the number of groups of the cyclic samplings (their min separation)."""
     mechanism: MechanismConfig = MechanismConfig()
@@ -563,7 +574,7 @@ class PrivacyConfig(_Section):
     """Population of the emulated deployment (default: the simulated population)."""
     canaries: CanaryConfig | None = None
     """Canary clients counted in the population, for the run's empirical epsilon (docs/audit.md)."""
-    noise_stream: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    noise_stream: PluginSpec | None = None
     """``module:factory`` of the server's noise across rounds (a ``fedprivacy.privacy.noise.NoiseStream``,
     built as ``factory(seed, device=..., secure=...)``); None: independent Gaussian noise every round.
     Needs central placement, a fixed clip and a given noise_multiplier (``auto`` calibrates independent noise)."""
@@ -586,7 +597,7 @@ class PrivacyConfig(_Section):
 
     @model_validator(mode="after")
     def _mechanism_is_accountable(self) -> PrivacyConfig:
-        cyclic = self.sampling in ("cyclic_poisson", "min_separated")
+        cyclic = self.sampling not in ("poisson", "fixed")  # a plug-in's groups and separation are its own
         if self.groups != 1 and not cyclic:
             raise ValueError(f"privacy.groups={self.groups} needs privacy.sampling: cyclic_poisson or min_separated, "
                              f"got {self.sampling!r}")
@@ -855,9 +866,10 @@ class RunConfig(_Section):
 
 def plugins(cfg: RunConfig) -> dict[str, str]:
     """The fields of ``cfg`` that name a plug-in, ``package.module:factory``, with their values: ``data.task`` (a
-    user's task) and ``privacy.noise_stream``. A run imports each such module and calls the factory: a config
-    file naming a plug-in runs that code."""
-    named = {"data.task": cfg.data.task, "privacy.noise_stream": cfg.privacy.noise_stream}
+    user's task), ``privacy.noise_stream``, ``privacy.sampling`` and ``server.optimizer``. A run imports each such
+    module and calls the factory: a config file naming a plug-in runs that code."""
+    named = {"data.task": cfg.data.task, "privacy.noise_stream": cfg.privacy.noise_stream,
+             "privacy.sampling": cfg.privacy.sampling, "server.optimizer": cfg.server.optimizer}
     return {field: value for field, value in named.items() if value is not None and ":" in value}
 
 

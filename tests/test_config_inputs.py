@@ -123,7 +123,7 @@ pathlib.Path(__file__).with_name("imported").write_text("ran")
 """
 
 
-@pytest.mark.parametrize("field", ["privacy.noise_stream", "data.task"])
+@pytest.mark.parametrize("field", ["privacy.noise_stream", "data.task", "privacy.sampling", "server.optimizer"])
 def test_the_commands_refuse_a_config_naming_a_plugin_without_allow_plugins(field, tmp_path, monkeypatch, capsys):
     import yaml
 

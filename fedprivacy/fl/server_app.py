@@ -76,32 +76,36 @@ def server_optimizer_settings(cfg: RunConfig, model: torch.nn.Module) -> dict[st
     return settings
 
 
-def noise_stream_factory(spec: str | None) -> NoiseStreamFactory:
-    """The factory ``privacy.noise_stream`` names as ``module:attribute`` (None: independent Gaussian noise).
+def plugin_factory(field: str, spec: str) -> Any:
+    """The factory a plug-in field (:func:`~fedprivacy.config.plugins`) names as ``module:attribute``.
 
     Raises:
         ConfigError: it cannot be imported, or is not callable (naming the field).
     """
-    if spec is None:
-        return GaussianNoise
     module, _, name = spec.partition(":")
     try:
         factory: Any = importlib.import_module(module)
         for part in name.split("."):
             factory = getattr(factory, part)
     except (ImportError, AttributeError) as err:
-        raise ConfigError(f"privacy.noise_stream={spec!r} cannot be imported: {err}") from None
+        raise ConfigError(f"{field}={spec!r} cannot be imported: {err}") from None
     if not callable(factory):
-        raise ConfigError(f"privacy.noise_stream={spec!r} is not a callable factory")
+        raise ConfigError(f"{field}={spec!r} is not a callable factory")
     return factory
+
+
+def _named_or_plugin(field: str, value: str) -> Any:
+    """A built-in part's name as it is, a plug-in's (``module:factory``) factory."""
+    return plugin_factory(field, value) if ":" in value else value
 
 
 def noise_stream_of(cfg: RunConfig) -> NoiseStreamFactory:
     """The run's noise-stream factory: ``privacy.mechanism`` (a :class:`CorrelatedMechanism` over ``horizon`` or
-    ``rounds`` releases; BandMF under cyclic Poisson amplified) or ``privacy.noise_stream``."""
+    ``rounds`` releases; BandMF under cyclic Poisson amplified) or ``privacy.noise_stream`` (None: independent
+    Gaussian noise)."""
     p, m = cfg.privacy, cfg.privacy.mechanism
     if m.kind == "independent":
-        return noise_stream_factory(p.noise_stream)
+        return GaussianNoise if p.noise_stream is None else plugin_factory("privacy.noise_stream", p.noise_stream)
     return CorrelatedMechanism(kind=m.kind, horizon=m.horizon or cfg.rounds, groups=p.groups, bands=m.bands,
                                buffers=m.buffers, amplified=m.kind == "bandmf" and p.sampling == "cyclic_poisson")
 
@@ -114,7 +118,8 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
     adaptive = (AdaptiveClipping(p.adaptive_clipping.target_quantile, p.adaptive_clipping.learning_rate,
                                  p.count_stddev) if p.adaptive_clipping else None)
     return cls(noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-               population=population, sampling=p.sampling, placement=p.placement, optimizer=s.optimizer, lr=s.lr,
+               population=population, sampling=_named_or_plugin("privacy.sampling", p.sampling), placement=p.placement,
+               optimizer=_named_or_plugin("server.optimizer", s.optimizer), lr=s.lr,
                optimizer_settings=server_optimizer_settings(cfg, model), adaptive_clipping=adaptive,
                disk_kappa=s.disk.kappa if s.disk else None, disk_gamma=s.disk.gamma if s.disk else 0.5,
                record_level=cfg.client.sample_dp is not None, delta=p.delta, target_epsilon=p.target_epsilon,
@@ -164,7 +169,8 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = 
     else:  # cyclic schedules, correlated mechanisms: the events the run's own mechanism will account
         def eps(z: float) -> float:
             planned = planned_ledger(z, cfg.rounds, expected_cohort=p.expected_cohort, population=population,
-                                     sampling=p.sampling, groups=p.groups, noise_stream=noise_stream_of(cfg),
+                                     sampling=_named_or_plugin("privacy.sampling", p.sampling), groups=p.groups,
+                                     noise_stream=noise_stream_of(cfg),
                                      noise_cohort=p.noise_cohort, noise_population=p.noise_population)
             value = epsilon(planned, delta, p.budget_accountant)
             assert value is not None, "the config validator refuses an accountant that cannot account the run"

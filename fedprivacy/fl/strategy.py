@@ -88,7 +88,7 @@ from fedprivacy.fl.records import layout_to_record, record_nbytes, record_to_lay
 from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
-from fedprivacy.optim.factory import OptimizerName, make_server_optimizer
+from fedprivacy.optim.factory import OptimizerName, ServerOptimizerFactory, build_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.callbacks import RoundCallback
 from fedprivacy.privacy.accounting import AccountantKind, accounts, resolve_delta
@@ -99,10 +99,10 @@ from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound,
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
 from fedprivacy.privacy.secure_mechanism import SecureSum, SkellamMechanism
 from fedprivacy.privacy.skellam import IntegrityCheckFailed
-from fedprivacy.privacy.noise import GaussianNoise, stream_name
+from fedprivacy.privacy.noise import GaussianNoise, part_name, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
-from fedprivacy.privacy.sampling import Schedule
+from fedprivacy.privacy.sampling import Schedule, ScheduleFactory
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +160,16 @@ class DPFedAvg(Strategy):
         expected_cohort: m, the expected (Poisson) or exact (fixed) cohort and the fixed divisor.
         population: N, the number of nodes sampling ranges over (all of them must register).
         sampling: ``"poisson"`` (add/remove-one), ``"fixed"`` (replace-one), or the cyclic ``"cyclic_poisson"`` and
-            ``"min_separated"`` over ``groups`` groups (add/remove-one; :mod:`fedprivacy.privacy.sampling`).
+            ``"min_separated"`` over ``groups`` groups (add/remove-one; :mod:`fedprivacy.privacy.sampling`); or a
+            schedule of one's own, a :data:`~fedprivacy.privacy.sampling.ScheduleFactory` (accounted by its own
+            ``round_event``; with ``state_dir``, a resume must use the same one).
         placement: ``central`` (this strategy clips and draws the noise), or ``distributed`` / ``local``
             (the clients clip and add their noise with :func:`fedprivacy.fl.mods.client_noise_mod`; the
             strategy sums the uploads as they are and tops up missing distributed shares).
         optimizer: ``sgd`` (DP-FedAvg; with ``momentum``, DP-FedAvgM), ``adam``, ``yogi``,
-            ``adagrad``, ``adambc`` (Phi from the mechanism), ``microadam``.
+            ``adagrad``, ``adambc`` (Phi from the mechanism), ``microadam``; or a server step of one's own, a
+            :data:`~fedprivacy.optim.factory.ServerOptimizerFactory` called as ``optimizer(lr, **optimizer_settings)``
+            (with ``state_dir``, a resume must use the same one).
         optimizer_settings: the optimizer's keyword settings (:func:`fedprivacy.optim.factory.make_server_optimizer`).
         adaptive_clipping: Andrew et al.'s quantile clip, or None.
         disk_kappa: DiSK's filter gain kappa in (0, 1] (1: the optimizer alone), or None for no DiSK.
@@ -202,7 +206,8 @@ class DPFedAvg(Strategy):
     off only for strategies that change the mechanism mid-round (the audit's broken variants)."""
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: Schedule = "poisson", placement: Placement = "central", optimizer: OptimizerName = "sgd",
+                 sampling: Schedule | ScheduleFactory = "poisson", placement: Placement = "central",
+                 optimizer: OptimizerName | ServerOptimizerFactory = "sgd",
                  lr: float = 1.0,
                  optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
                  disk_kappa: float | None = None, disk_gamma: float = 0.5,
@@ -215,8 +220,9 @@ class DPFedAvg(Strategy):
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None,
                  on_round: RoundCallback | None = None) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
-                         "expected_cohort": expected_cohort, "population": population, "sampling": sampling,
-                         "placement": placement, "optimizer": optimizer, "lr": lr,
+                         "expected_cohort": expected_cohort, "population": population,
+                         "sampling": part_name(sampling), "placement": placement,
+                         "optimizer": part_name(optimizer), "lr": lr,
                          "optimizer_settings": dict(optimizer_settings or {}),
                          "adaptive_clipping": None if adaptive_clipping is None else asdict(adaptive_clipping),
                          "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
@@ -248,8 +254,7 @@ class DPFedAvg(Strategy):
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
                         "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
-        self.optimizer = make_server_optimizer(optimizer, lr=lr, **self._optimizer_settings(optimizer,
-                                                                                          optimizer_settings))
+        self.optimizer = build_server_optimizer(optimizer, lr, self._optimizer_settings(optimizer, optimizer_settings))
         self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
@@ -277,7 +282,8 @@ class DPFedAvg(Strategy):
         if self.state is not None:
             self.state.load(self.settings)  # a changed setting is refused now, before anything runs
 
-    def _optimizer_settings(self, optimizer: str, given: dict[str, Any] | None) -> dict[str, Any]:
+    def _optimizer_settings(self, optimizer: OptimizerName | ServerOptimizerFactory,
+                            given: dict[str, Any] | None) -> dict[str, Any]:
         settings = dict(given or {})
         if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
             settings.setdefault("phi", self.mechanism.phi())

@@ -20,11 +20,15 @@ A setting the named optimizer does not read must be None: it is refused, never s
 (e.g. ``momentum`` with ``adam``, whose momentum is ``beta1``). ``bias_correction=None`` keeps each
 paper's choice: off for adam/yogi (Reddi et al. Alg. 2), on for adambc (Tang et al. Alg. 1).
 The classes themselves remain the primary API; this is the entry point for configs.
+
+A server optimizer of one's own is a :data:`ServerOptimizerFactory`, called as ``factory(lr, **settings)`` (as the
+built-in classes are: ``ServerSGD`` is ``sgd``'s) and built by :func:`build_server_optimizer`, the one place that
+builds either; it implements :class:`ServerOptimizer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
 import torch
@@ -38,11 +42,25 @@ OptimizerName = Literal["sgd", "adam", "yogi", "adagrad", "adambc", "microadam"]
 
 
 class ServerOptimizer(Protocol):
-    """What the server needs from an optimizer."""
+    """What the server needs from an optimizer (:class:`~fedprivacy.optim.server_step.ServerStep` calls it after
+    every release, on released values only: post-processing, invariant 6). Optional: ``set_phi(phi)``, called first
+    with Phi_t, the per-coordinate noise variance of what ``step_`` is fed (DP-FedAdamBC subtracts it; under DiSK
+    the filter's); ``downlink_bytes()``, the bytes of ``x_{t+1} - x_t`` the broadcast needs when sparse."""
 
-    def step_(self, params: torch.Tensor, pseudo_grad: torch.Tensor) -> None: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+    def step_(self, params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
+        """``params`` (flat ``x_t``) becomes ``x_{t+1}`` in place from the released ``pseudo_grad`` (``g_t``, which
+        the server ADDS: ``x + g`` is FedAvg's step)."""
+
+    def state_dict(self) -> dict:
+        """Its state, checkpointed after every round (tensors and plain values)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (a resume)."""
+
+
+ServerOptimizerFactory = Callable[..., ServerOptimizer]
+"""``factory(lr, **settings)``: a fresh :class:`ServerOptimizer` with learning rate ``lr`` and the settings given
+(``DPFedAvg(optimizer_settings=...)``; from a config, the ``server`` settings that are set)."""
 
 
 # name -> (class, {factory argument: constructor argument})
@@ -122,3 +140,19 @@ def check_settings(name: str, given: set[str]) -> None:
     missing = [k for k in _REQUIRED.get(name, ()) if k not in given]
     if missing:
         raise ValueError(f"server optimizer {name!r} requires {', '.join(missing)}")
+
+
+def build_server_optimizer(optimizer: OptimizerName | ServerOptimizerFactory, lr: float,
+                           settings: Mapping[str, Any]) -> ServerOptimizer:
+    """The optimizer named (:func:`make_server_optimizer`) or ``optimizer(lr, **settings)`` for a factory.
+
+    Raises:
+        ValueError: naming the setting or the factory that refuses them.
+    """
+    if isinstance(optimizer, str):
+        return make_server_optimizer(optimizer, lr=lr, **settings)
+    try:
+        return optimizer(lr, **settings)
+    except TypeError as err:
+        raise ValueError(f"server optimizer {getattr(optimizer, '__qualname__', optimizer)!r} refuses lr={lr!r} and "
+                         f"the settings {dict(settings)!r}: {err}") from None

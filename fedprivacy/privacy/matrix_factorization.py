@@ -181,12 +181,12 @@ class CorrelatedNoise(abc.ABC):
     def _coefficients(self) -> dict[str, Any]:
         """The strategy's own numbers (:meth:`describe_strategy`), JSON-able."""
 
-    def check_schedule(self, kind: str, separation: int) -> None:
+    def check_schedule(self, kind: str, separation: int | None) -> None:
         """Refuse a participation schedule this strategy's sensitivity does not hold for (one line)."""
-        if kind not in ("min_separated", "cyclic_poisson"):
-            raise ValueError(f"privacy.mechanism {self.kind} needs privacy.sampling: min_separated or cyclic_poisson, "
-                             f"got {kind!r} (it bounds no user's participations: the strategy's sensitivity is "
-                             "unbounded)")
+        if separation is None:
+            raise ValueError(f"privacy.mechanism {self.kind} needs privacy.sampling: min_separated or cyclic_poisson "
+                             f"(or a schedule of one's own with a separation), got {kind!r} (it bounds no user's "
+                             "participations: the strategy's sensitivity is unbounded)")
         if separation != self.separation:
             raise ValueError(f"privacy.mechanism {self.kind} was built for min separation {self.separation}, but "
                              f"privacy.groups={separation} separates the schedule's participations")

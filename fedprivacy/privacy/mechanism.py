@@ -31,7 +31,9 @@ Seams. The noise is a :class:`~fedprivacy.privacy.noise.NoiseStream` (``noise_st
 std is ``z_v C_t f_k``; Phi_t reads the same factor) and its accounted event (a registered
 :mod:`~fedprivacy.privacy.events` event, composed by the ledger and logged ahead by the release log) all
 come from the stream, so a mechanism with noise correlated across rounds is a new stream, not an edit
-here. The cohort comes from a :class:`~fedprivacy.privacy.sampling.ParticipationSchedule`. A subclass may
+here. The cohort comes from a :class:`~fedprivacy.privacy.sampling.ParticipationSchedule` (``sampling``: a name,
+or a factory of one's own), and so does the event the noise stream is given (its ``round_event``): a schedule of
+one's own is accounted as it says, with no edit here either. A subclass may
 override :meth:`aggregator` (how updates are clipped and summed) and :meth:`privatize` (how the sum is
 noised and divided); the audit's deliberately broken mechanisms (:mod:`fedprivacy.audit`) do exactly
 that, so they break the real pipeline, not a copy of it.
@@ -53,10 +55,10 @@ from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.events import AccountedEvent
-from fedprivacy.privacy.noise import GaussianNoise, NoiseStream, stream_name
+from fedprivacy.privacy.noise import GaussianNoise, NoiseStream, part_name, stream_name
 from fedprivacy.privacy.placement import Placement, released_noise_variance
 from fedprivacy.privacy.release_log import ReleaseLog, rekeyed_seed
-from fedprivacy.privacy.sampling import Schedule, make_sampler
+from fedprivacy.privacy.sampling import Schedule, ScheduleFactory, make_sampler
 
 NoiseStreamFactory = Callable[..., NoiseStream]
 """Builds a :class:`~fedprivacy.privacy.noise.NoiseStream` as ``factory(seed, device=..., secure=...)``."""
@@ -108,7 +110,8 @@ class GaussianMechanism:
         clip_norm: C (the initial C under adaptive clipping).
         expected_cohort: m: expected (Poisson) or exact (fixed) cohort, and the fixed divisor.
         population: N, the FULL population the sampler draws from.
-        sampling: ``"poisson"`` or ``"fixed"``.
+        sampling: a schedule's name (:data:`~fedprivacy.privacy.sampling.SCHEDULES`) or a
+            :data:`~fedprivacy.privacy.sampling.ScheduleFactory` (module docstring, "Seams").
         placement: who adds the noise (:mod:`.placement`).
         adaptive: adaptive clipping, or None for a fixed C.
         noise_cohort: large-cohort emulation: the claim's cohort M, or None.
@@ -124,7 +127,7 @@ class GaussianMechanism:
     """
 
     def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: Schedule = "poisson", placement: Placement = "central",
+                 sampling: Schedule | ScheduleFactory = "poisson", placement: Placement = "central",
                  adaptive: AdaptiveClipping | None = None, noise_cohort: int | None = None,
                  noise_population: int | None = None, seed: int | None = None,
                  device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
@@ -138,7 +141,9 @@ class GaussianMechanism:
         self.noise_multiplier = noise_multiplier
         self.expected_cohort = expected_cohort
         self.population = population
-        self.sampling, self.groups = sampling, groups
+        self.schedule, self.groups = sampling, groups
+        self.sampling = part_name(sampling)
+        """The schedule's name: as given, or a factory's ``module:qualname``."""
         self.placement = placement
         self.noise_cohort = noise_cohort
         self.claim_population = noise_population or population
@@ -154,7 +159,7 @@ class GaussianMechanism:
         self.release_log: ReleaseLog | None = None
         self.epoch = 0
         self._seed_generators()
-        if noise_cohort is not None and sampling in ("cyclic_poisson", "min_separated") \
+        if noise_cohort is not None and self.sampler.separation is not None \
                 and noise_cohort * groups > self.claim_population:
             raise ValueError(f"privacy.noise_cohort={noise_cohort} times privacy.groups={groups} must be <= the emulated "
                              f"population ({self.claim_population}): each of its groups yields one cohort")
@@ -173,7 +178,7 @@ class GaussianMechanism:
 
     def _seed_generators(self) -> None:
         seed = 0 if self.seed is None else rekeyed_seed(self.seed, self.epoch)  # ignored when secure
-        self.sampler = make_sampler(self.sampling, self.population, self.expected_cohort, seed, secure=self.secure,
+        self.sampler = make_sampler(self.schedule, self.population, self.expected_cohort, seed, secure=self.secure,
                                     groups=self.groups)
         self.noise: NoiseStream = self.noise_stream(seed, device=self.device, secure=self.secure)
         self.stream_starts = [self.next_release]  # a new stream numbers its releases from here
@@ -335,7 +340,7 @@ class GaussianMechanism:
 
 
 def planned_ledger(noise_multiplier: float, releases: int, *, expected_cohort: int, population: int,
-                   sampling: Schedule = "poisson", groups: int = 1,
+                   sampling: Schedule | ScheduleFactory = "poisson", groups: int = 1,
                    noise_stream: NoiseStreamFactory = GaussianNoise, noise_cohort: int | None = None,
                    noise_population: int | None = None) -> PrivacyLedger:
     """The ledger of ``releases`` releases of a fresh central mechanism with these settings (what calibration and

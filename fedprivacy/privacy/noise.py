@@ -93,12 +93,19 @@ class NoiseStream(Protocol):
 
 
 def stream_name(factory: Any) -> str:
-    """How settings and messages name a noise-stream factory: its ``describe()`` (a parameterized spec such as
+    """How settings and messages name a plug-in factory (a noise stream's; a participation schedule's or a server
+    optimizer's too): its ``describe()`` (a parameterized spec such as
     :class:`~fedprivacy.privacy.correlated.CorrelatedMechanism`), else ``module:qualname``."""
     describe = getattr(factory, "describe", None)
     if callable(describe):
         return f"{type(factory).__module__}:{describe()}"
     return f"{factory.__module__}:{getattr(factory, '__qualname__', repr(factory))}"
+
+
+def part_name(part: str | Any) -> str:
+    """How settings and messages name a part given by its built-in name (kept as is) or as a factory
+    (:func:`stream_name`)."""
+    return part if isinstance(part, str) else stream_name(part)
 
 
 class _Pending(NamedTuple):

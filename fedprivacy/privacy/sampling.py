@@ -22,14 +22,19 @@ the ``i``-th of the population's order, which the strategy keeps by each node's 
 - :class:`MinSeparatedSampler`: within the group, ``m`` users uniformly without replacement. Accounted per
   cycle without amplification: ``GaussianDpEvent(z)`` at its first release.
 
-All are participation schedules (:class:`ParticipationSchedule`), named in :data:`SCHEDULES`. A correlated-noise
-stream needs a cyclic one (its sensitivity counts participations ``b`` apart).
+All are participation schedules (:class:`ParticipationSchedule`), named in :data:`SCHEDULES`. A schedule of one's
+own is a factory called with the same arguments (:data:`ScheduleFactory`; ``DPFedAvg(sampling=factory)``,
+``privacy.sampling: package.module:factory``): its :meth:`~ParticipationSchedule.round_event` is what the ledger
+composes, so it carries its own accounting, and its :attr:`~ParticipationSchedule.separation` is what the rules that
+depend on the schedule ask (a bounded one keeps its users by identity across restarts; a correlated-noise stream
+needs the separation its sensitivity counts participations by, ``b``).
 """
 
 from __future__ import annotations
 
 import abc
 import secrets
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -44,17 +49,21 @@ Schedule = Literal["poisson", "fixed", "cyclic_poisson", "min_separated"]
 
 
 class ParticipationSchedule(Protocol):
-    """Who participates in each round, and what that is accounted as (module docstring). Built as
-    ``cls(population, expected_cohort, seed, secure, groups)``; :meth:`sample` is called once per round, in
-    order, with the number of the release the round makes."""
+    """Who participates in each round, and what that is accounted as (module docstring). Built by a
+    :data:`ScheduleFactory`; :meth:`sample` is called once per round, in order, with the number of the release the
+    round makes, and :meth:`round_event` for every release the ledger composes (also ahead of it: the budget check,
+    the planned ledger), so it must not draw. A seeded simulation checkpoints :meth:`state_dict` and a resume
+    restores it (from the OS, ``secure``, nothing is kept and a resume builds a fresh one)."""
 
     @property
     def kind(self) -> str:
-        """Its name in :data:`SCHEDULES`."""
+        """Its name in :data:`SCHEDULES` (a schedule of one's own: any name, used in messages)."""
 
     @property
     def separation(self) -> int | None:
-        """The fewest releases between two participations of one user (None: unbounded)."""
+        """The fewest releases between two participations of one user (None: unbounded). Bounded: the strategy keeps
+        the population's order by identity across restarts (user ``i`` stays user ``i``), and a correlated-noise
+        stream may check it against its own (``check_schedule``)."""
 
     def sample(self, release: int) -> np.ndarray:
         """Sorted indices into ``0..population-1`` of the cohort of the round making release ``release``."""
@@ -79,6 +88,9 @@ class _Sampler(abc.ABC):
             raise ValueError(
                 f"privacy.expected_cohort={expected_cohort} must be between 1 and the population ({population})"
             )
+        if groups != 1:
+            raise ValueError(f"privacy.groups={groups} needs a cyclic privacy.sampling (cyclic_poisson, "
+                             f"min_separated), got {self.kind!r}")
         self.population = population
         self.expected_cohort = expected_cohort
         entropy = secrets.randbits(128) if secure else [seed, SAMPLING_STREAM]
@@ -183,20 +195,26 @@ class MinSeparatedSampler(_Cyclic):
                              expected_cohort=float(self.population))
 
 
+ScheduleFactory = Callable[[int, int, int, bool, int], ParticipationSchedule]
+"""``factory(population, expected_cohort, seed, secure, groups)``: a fresh :class:`ParticipationSchedule` over
+``population`` users with expected cohort ``m``, drawing from ``seed`` (or, ``secure``, from the OS), with the
+configured ``groups`` (``b``; 1 unless set). Called again after a resume that re-runs released rounds (a re-keyed
+``seed``) and, with large-cohort emulation, for the emulated deployment's events (its population and cohort)."""
+
 SCHEDULES: dict[str, type[_Sampler]] = {"poisson": PoissonSampler, "fixed": FixedSizeSampler,
                                         "cyclic_poisson": CyclicPoissonSampler,
                                         "min_separated": MinSeparatedSampler}
 """The participation schedules ``privacy.sampling`` names."""
 
 
-def make_sampler(kind: str, population: int, expected_cohort: int, seed: int,
+def make_sampler(kind: str | ScheduleFactory, population: int, expected_cohort: int, seed: int,
                  secure: bool = False, groups: int = 1) -> ParticipationSchedule:
-    """Build the schedule named in ``privacy.sampling`` (``secure``: seeded from the OS, not ``seed``; ``groups``:
-    the cyclic schedules' ``b``)."""
+    """Build the schedule named in ``privacy.sampling``, or ``kind(population, expected_cohort, seed, secure,
+    groups)`` for a :data:`ScheduleFactory` (``secure``: seeded from the OS, not ``seed``; ``groups``: the cyclic
+    schedules' ``b``)."""
+    if not isinstance(kind, str):
+        return kind(population, expected_cohort, seed, secure, groups)
     if kind not in SCHEDULES:
         raise ValueError(f"sampling must be one of {sorted(SCHEDULES)}, got {kind!r}")
-    if kind in ("poisson", "fixed") and groups != 1:
-        raise ValueError(f"privacy.groups={groups} needs a cyclic privacy.sampling (cyclic_poisson, min_separated), "
-                         f"got {kind!r}")
     schedule: ParticipationSchedule = SCHEDULES[kind](population, expected_cohort, seed, secure, groups)
     return schedule
