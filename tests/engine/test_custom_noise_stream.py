@@ -58,16 +58,20 @@ class DoublingNoise(GaussianNoise):
 SPEC = f"{__name__}:DoublingNoise"
 
 
-def _expected_epsilons(z: float, q: float, releases: int, delta: float) -> dict[str, float]:
-    """dp_accounting's own RDP (Opacus' orders) and PLD accountants on the releases' DpEvents."""
-    events = [dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z * (2.0 if k % 2 == 0 else 1.0)))
-              for k in range(1, releases + 1)]
+def reference_epsilons(events: list[dp_accounting.DpEvent], delta: float) -> dict[str, float]:
+    """dp_accounting's own RDP (Opacus' orders) and PLD accountants on ``events``, composed in order."""
     rdp_accountant = rdp.RdpAccountant(RDPAccountant.DEFAULT_ALPHAS)
     pld_accountant = pld.PLDAccountant(value_discretization_interval=1e-3)
     for e in events:
         rdp_accountant.compose(e)
         pld_accountant.compose(e)
     return {"rdp": rdp_accountant.get_epsilon(delta), "pld": pld_accountant.get_epsilon(delta)}
+
+
+def _expected_epsilons(z: float, q: float, releases: int, delta: float) -> dict[str, float]:
+    """The releases' DpEvents (z doubled on even releases) through :func:`reference_epsilons`."""
+    return reference_epsilons([dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(z * (2.0 if k % 2 == 0 else 1.0))) for k in range(1, releases + 1)], delta)
 
 
 def test_the_mechanism_draws_phi_and_accounts_what_the_stream_says():

@@ -11,10 +11,8 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from dp_accounting import pld, rdp
 from hypothesis import given
 from hypothesis import strategies as st
-from opacus.accountants import RDPAccountant
 
 from fedprivacy.checkpoints import load_checkpoint
 from fedprivacy.config import ConfigError, build_config, plugins
@@ -30,7 +28,8 @@ from fedprivacy.privacy.sampling import FixedSizeSampler, MinSeparatedSampler, P
 from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task
 
-from test_one_round import _hand_written  # this folder is on sys.path (pytest's rootdir mode)
+from test_custom_noise_stream import reference_epsilons  # this folder is on sys.path (pytest's rootdir mode)
+from test_one_round import _hand_written
 from test_strategy import _flat, _plain_client_app, _start
 
 
@@ -120,15 +119,10 @@ STEP = f"{__name__}:SignumDecay"
 
 
 def _expected_epsilons(z: float, population: int, m: int, releases: int, delta: float) -> dict[str, float]:
-    """dp_accounting's own RDP (Opacus' orders) and PLD accountants on the schedule's releases."""
-    rdp_accountant = rdp.RdpAccountant(RDPAccountant.DEFAULT_ALPHAS)
-    pld_accountant = pld.PLDAccountant(value_discretization_interval=1e-3)
-    for k in range(1, releases + 1):
-        event = dp_accounting.PoissonSampledDpEvent(m * (2 if k % 2 == 0 else 1) / population,
-                                                    dp_accounting.GaussianDpEvent(z))
-        rdp_accountant.compose(event)
-        pld_accountant.compose(event)
-    return {"rdp": rdp_accountant.get_epsilon(delta), "pld": pld_accountant.get_epsilon(delta)}
+    """The schedule's releases (rate doubled on even ones) through dp_accounting's own accountants."""
+    return reference_epsilons([dp_accounting.PoissonSampledDpEvent(
+        m * (2 if k % 2 == 0 else 1) / population, dp_accounting.GaussianDpEvent(z)) for k in range(1, releases + 1)],
+        delta)
 
 
 def test_the_mechanism_samples_and_accounts_what_the_schedule_says():
