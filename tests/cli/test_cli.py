@@ -187,7 +187,8 @@ def test_ctrl_c_of_a_real_run_exits_130_with_one_line(small_config, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(json.loads(small_config("rounds=100000").to_json())))
     proc = subprocess.Popen([sys.executable, "-m", "fedprivacy", "run", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,  # Ctrl-C's default even where the test's shell
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # ignores it (a job in &)
     deadline = time.time() + 120
     while not (tmp_path / "run" / "checkpoint.pt").exists() and time.time() < deadline:
         time.sleep(0.1)

@@ -177,7 +177,9 @@ def test_kill_9_at_random_moments_then_restart_never_under_counts_and_never_reus
         assert set(draws) == {None} and all(type(e["event"]).__name__ == "SkellamRound" for e in entries)
     else:
         assert len(set(draws)) == len(draws)  # no noise draw released twice
-    assert len(entries) > rounds and max(e["epoch"] for e in entries) >= 1  # a lost release was accounted
+    # a lost release was accounted: some round was released twice, by two epochs (counting entries against rounds
+    # would miss it where a secure round aborts under load and releases nothing)
+    assert len(entries) > len({e["round"] for e in entries}) and max(e["epoch"] for e in entries) >= 1
 
 
 @pytest.mark.slow
