@@ -1,6 +1,6 @@
 """Optimizer-state memory of the client optimizers: DP-MicroAdam vs DP-Adam.
 
-The paper (arXiv:2511.20509) states DP-MicroAdam is memory-frugal; notes/microadam.md §2 derives
+The paper (arXiv:2511.20509) states DP-MicroAdam is memory-frugal; its memory analysis derives
 ~0.9 d bytes for its Algorithm 1 layout (4-bit EF, int16 indices + bf16 values in the ring) against
 8 d for Adam (two fp32 moments). This script MEASURES, for our implementations, in a fresh process
 per optimizer (``--d`` parameters, one flat tensor, float32, CPU):

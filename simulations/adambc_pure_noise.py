@@ -1,4 +1,4 @@
-"""DP-AdamBC Table 2 on pure noise (Tang et al. 2024, arXiv:2312.14334v1, Table 2; notes/adambc.md §2.8 item 4).
+"""DP-AdamBC Table 2 on pure noise (Tang et al. 2024, arXiv:2312.14334v1, Table 2).
 
 The paper's SNLI moments at t = 10,000 (B = 256, C = 0.1, sigma = 0.4, beta = (0.9, 0.999),
 gamma' = 3e-10, Phi = (sigma C / B)^2 = 2.441e-8) are essentially pure noise (its clean v_hat is

@@ -9,7 +9,7 @@ exactly, whatever the trajectory and gamma, so its stationary variance per coord
 
     E[e^2] / sigma_DP^2 = kappa / (2 - kappa)      (0.5385 at the paper's kappa = 0.7; 1 for DP-SGD)
 
-(notes/disk.md §1.12 and §6 test 4: the noise-variance reduction factor, the paper's Lemma 1 with
+(arXiv:2410.03883: the noise-variance reduction factor, the paper's Lemma 1 with
 L = 0). The paper states no number for it; we print the measured ratio beside the prediction.
 
     python simulations/disk_noise_ratio.py [--steps 400] [--dim 2000]

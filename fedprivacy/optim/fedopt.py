@@ -16,7 +16,7 @@ and, with ``bias_correction=True`` (Adam and Yogi only), Kingma & Ba's Alg. 1 fo
 
 Symbols: ``lr`` = η, ``beta1`` = β₁, ``beta2`` = β₂, ``tau`` = τ (adaptivity, OUTSIDE the root),
 ``initial_accumulator`` = v₀; ``g`` = the noised average of client deltas ``Delta_i = x_i - x``,
-so the server ADDS the step (STYLE.md §4). Squares, roots and signs are elementwise.
+so the server ADDS the step. Squares, roots and signs are elementwise.
 
 Departures and choices, each deliberate:
 
@@ -32,7 +32,7 @@ Departures and choices, each deliberate:
   the count ``t`` held in the state, never a round number: Flower 1.41's FedAdam keys it on
   ``server_round + 1`` (t = 2 on its first update) and uses the ``epsilon-hat`` placement
   ``eta * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + tau)``, i.e. τ is not rescaled; here τ is added
-  after the correction, so the first step is ``eta * g / (|g| + tau)`` exactly (STYLE.md §6).
+  after the correction, so the first step is ``eta * g / (|g| + tau)`` exactly.
   For Yogi, ``v`` is not an average, so the same factors are a heuristic (Reddi et al.'s released
   Keras Yogi applies them through its step size).
 * Adagrad's ``v`` is a running sum, not an average: it has no bias correction, and its momentum

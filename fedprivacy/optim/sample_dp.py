@@ -39,7 +39,7 @@ Methods, as configurations of one mechanism (the base optimizer only post-proces
 
 Departures from Opacus' ``DPOptimizer`` (kept: noise via its ``_generate_noise`` with the given
 generator, the fixed divisor, the step hook): the clip factor is exactly ``min(1, C/||u||)``, with
-no ``+1e-6`` fudge (a zero unit stays zero, STYLE.md §7), and units may be micro-batches.
+no ``+1e-6`` fudge (a zero unit stays zero), and units may be micro-batches.
 
 Micro-batches (AdaDPS App. B: 16 micro-batches of 4): the privacy unit is the micro-batch. Units
 are formed once, from a data-independent partition (:class:`~fedprivacy.client.sample_dp.MicroBatchUnits`),

@@ -35,7 +35,7 @@ def test_unit_side_information_is_dp_fedavg_exactly(small_config, tmp_path, extr
 
 def test_scale_invariance_with_one_local_step_and_the_same_noise(small_config, tmp_path):
     """One local step (a batch larger than any client): Delta(cA) = Delta(A) / c, so clip(., C) and noise zC
-    equal those of (A, cC) divided by c, and server lr / c gives the same model (notes/adadps.md §9.5)."""
+    equal those of (A, cC) divided by c, and server lr / c gives the same model (arXiv:2202.05963)."""
     c, side = 3.0, "client.adadps={source: rmsprop, precondition_bias: true%s}"  # A on every coordinate
     common = ("rounds=2", "client.batch_size=100000", "client.lr=0.05", "server.momentum=0", "data.public_clients=4",
               "privacy.noise_multiplier=0.7")

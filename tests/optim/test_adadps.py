@@ -1,4 +1,4 @@
-"""AdaDPS side information (notes/adadps.md §2.4, §2.6, §9): each source's A, the preconditioned local
+"""AdaDPS side information (arXiv:2202.05963): each source's A, the preconditioned local
 step against autograd, and A as a function of public inputs only (invariant 10)."""
 
 import dataclasses

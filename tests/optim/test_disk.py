@@ -1,4 +1,4 @@
-"""Server DiSK's defining properties on plain tensors (notes/disk.md §5.2)."""
+"""Server DiSK's defining properties on plain tensors (arXiv:2410.03883)."""
 
 import pytest
 import torch

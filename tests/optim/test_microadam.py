@@ -1,4 +1,4 @@
-"""Server DP-MicroAdam's defining properties on plain tensors (notes/microadam.md §6.5, STYLE.md §6)."""
+"""Server DP-MicroAdam's defining properties on plain tensors (arXiv:2511.20509)."""
 
 import io
 import math

@@ -2,7 +2,7 @@
 
 FedAdam/FedYogi/FedAdagrad: Reddi et al., arXiv:2003.00295v5, Alg. 2; bias correction: Kingma & Ba,
 arXiv:1412.6980, Alg. 1. DP-FedAdamBC: Tang et al., arXiv:2312.14334v1, Eq. (2), (4), Alg. 1, and
-the testable statements of ``notes/adambc.md`` §2.8. Exactness checks run in float64.
+the testable statements of DP-AdamBC (arXiv:2312.14334). Exactness checks run in float64.
 """
 
 import io

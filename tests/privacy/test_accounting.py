@@ -25,7 +25,7 @@ from fedprivacy.privacy.accounting import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")
 
-N_SO = 342_477  # StackOverflow users (notes/anchors.md)
+N_SO = 342_477  # StackOverflow users (TFF's train split)
 
 
 def poisson(z, m, n):
@@ -39,7 +39,7 @@ def ledger_of(*pairs):
 # --- published anchors -------------------------------------------------------------------------
 
 def test_adadps_federated_budget():
-    """AdaDPS FL StackOverflow: q=20/400, z=0.3, T=40, delta=1/400 (notes/adadps.md §4)."""
+    """AdaDPS FL StackOverflow: q=20/400, z=0.3, T=40, delta=1/400 (arXiv:2202.05963)."""
     led = ledger_of((poisson(0.3, 20, 400), 40))
     assert epsilon(led, 1 / 400, "rdp") == pytest.approx(33.446, abs=0.01)
     assert epsilon(led, 1 / 400, "rdp", rdp_orders=ADADPS_RDP_ORDERS) == pytest.approx(34.171, abs=0.01)
@@ -55,7 +55,7 @@ def test_dp_microadam_cifar10_budget():
 
 
 def test_stackoverflow_anchor_all_accountants():
-    """q=100/342477, z=1, T=1500, delta=1/N: RDP 0.606, PLD/PRV about 0.05 (notes/anchors.md)."""
+    """q=100/342477, z=1, T=1500, delta=1/N: RDP 0.606, PLD/PRV about 0.05."""
     led = ledger_of((poisson(1.0, 100, N_SO), 1500))
     eps = epsilons(led, 1 / N_SO, ["rdp", "prv", "pld"])
     assert eps["rdp"] == pytest.approx(0.606, abs=1e-3)

@@ -10,7 +10,7 @@ from fedprivacy.privacy.calibration import MIN_NOISE_MULTIPLIER, calibrate_noise
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")
 
-N_SO = 342_477  # StackOverflow users (notes/anchors.md)
+N_SO = 342_477  # StackOverflow users (TFF's train split)
 
 
 def eps_of(z, rounds, delta, sampling, population, expected_cohort, accountant="rdp", rdp_orders=None):
@@ -96,7 +96,7 @@ def test_max_rounds_edges():
                       limit=123) == 123  # q = 0 spends nothing
 
 
-# --- DP-MicroAdam (notes/microadam.md §4.1 Table 8, §4.3 [CHECK]): q = 4096/45000, delta = 1e-5, Opacus RDP ---
+# --- DP-MicroAdam (arXiv:2511.20509, Table 8): q = 4096/45000, delta = 1e-5, Opacus RDP ---
 
 MICROADAM = dict(sampling="poisson", population=45_000, expected_cohort=4096)
 

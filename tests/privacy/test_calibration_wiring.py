@@ -48,7 +48,7 @@ def _calibrate(capsys, *args):
 
 def test_calibrate_command_round_trips(capsys):
     """DP-MicroAdam's setting (q = 4096/45000, delta 1e-5): z for 537 steps lands within 1% below 8,
-    and z = 1.56 affords 536 steps (537 is the first T over 8: notes/microadam.md)."""
+    and z = 1.56 affords 536 steps (537 is the first T over 8)."""
     common = ["--target-epsilon", "8", "--delta", "1e-5", "--sampling", "poisson", "--q", str(4096 / 45000)]
     out = _calibrate(capsys, *common, "--steps", "537")
     assert 0.99 * 8 <= out["epsilon"] <= 8

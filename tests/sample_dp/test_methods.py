@@ -1,5 +1,5 @@
-"""Each sample-level optimizer's defining property under Opacus (notes/adadps.md §8, disk.md, microadam.md §6.5 T7,
-adambc.md §2.8 item 2): AdaDPS A=1 is DP-SGD and is scale invariant; DiSK kappa=1 is its base optimizer, its
+"""Each sample-level optimizer's defining property under Opacus (AdaDPS, DiSK, DP-MicroAdam,
+DP-AdamBC): AdaDPS A=1 is DP-SGD and is scale invariant; DiSK kappa=1 is its base optimizer, its
 two passes are combined before ONE clip and accounted as ONE step; DP-MicroAdam at density 1 is DP-Adam;
 DP-AdamBC's second moment carries exactly Phi = (sigma C / B)^2 of noise."""
 
@@ -148,7 +148,7 @@ def test_adambc_bias_identity_under_opacus():
     rows = manual_per_sample_grads(model, x, y)
     clean = (rows * torch.clamp(clip_norm / rows.norm(dim=1), max=1.0)[:, None]).sum(0) / b
     excess = ((v_hat - clean**2) / cfg.phi).mean()
-    assert excess == pytest.approx(1.0, abs=0.08)  # std of this mean ~ 0.016 (notes/adambc.md §1.6)
+    assert excess == pytest.approx(1.0, abs=0.08)  # std of this mean ~ 0.016 (arXiv:2312.14334)
 
 
 def test_adambc_under_disk_subtracts_the_filtered_noise_variance():
