@@ -182,7 +182,7 @@ class GaussianRound:
         """The dp_accounting event of this round (``GaussianDpEvent`` semantics: z = s / C).
 
         Note: composing the ``fixed`` event into dp_accounting 0.6.0's ``RdpAccountant`` as is
-        under-accounts (issue #378); :func:`epsilon` composes it with z / 2.
+        under-accounts (an upstream dp_accounting bug); :func:`epsilon` composes it with z / 2.
         """
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.sampling == "poisson":
@@ -377,7 +377,7 @@ def _rdp_per_round(rnd: AccountedEvent, orders: tuple[float, ...]) -> np.ndarray
         accountant = dp_rdp.RdpAccountant(orders, neighboring_relation=rnd.neighboring_relation)
         rdp = np.array(accountant.compose(rnd.dp_event()).rdp, dtype=np.float64)
     elif rnd.sampling == "fixed":
-        # Replace-one sensitivity of a clipped sum is 2C: compose z / 2 (issue #378, see module doc).
+        # Replace-one sensitivity of a clipped sum is 2C: compose z / 2 (an upstream dp_accounting bug, see module doc).
         event = dp_accounting.SampledWithoutReplacementDpEvent(
             rnd.population, int(rnd.expected_cohort), dp_accounting.GaussianDpEvent(rnd.noise_multiplier / 2))
         rdp = dp_rdp.RdpAccountant(orders, neighboring_relation=_REPLACE_ONE).compose(event).rdp
