@@ -304,6 +304,8 @@ def _stop_workers(pools: list[ProcessPoolExecutor], grace_s: float = STOP_GRACE_
     for process in processes:  # before 3.14
         if process.is_alive():
             process.terminate()
+    for pool in pools:  # a worker whose run stopped exits instead of waiting for the next run
+        pool.shutdown(wait=False, cancel_futures=True)
     deadline = time.monotonic() + grace_s
     try:
         for process in processes:
