@@ -160,15 +160,17 @@ def results_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def check_compatible(old: dict[str, Any], new: dict[str, Any]) -> None:
     """Refuse a study whose runs (same id) now have a different config than when they were started
-    (:func:`results_config`: tracking may change).
+    (:func:`results_config`: tracking may change). A field the stored config lacks reads as null, so an optional
+    section added to the config since (null by default: the feature off) changes nothing.
 
     Raises:
         StudyChangedError: names the first such run and the fields that changed.
     """
     before = {r["run_id"]: results_config(r["config"]) for r in old["runs"]}
     for run in new["runs"]:
-        if run["run_id"] in before and before[run["run_id"]] != results_config(run["config"]):
-            changed = config_differences(before[run["run_id"]], results_config(run["config"]))
+        changed = (config_differences(before[run["run_id"]], results_config(run["config"]))
+                   if run["run_id"] in before else {})
+        if changed:
             diff = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
             raise StudyChangedError(
                 f"{old['study']['output_dir']} holds run {run['run_id']} with a different configuration "

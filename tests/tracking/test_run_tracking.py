@@ -163,6 +163,20 @@ def test_switching_tracking_on_does_not_change_a_study(tiny_study):
         check_compatible(manifest(), manifest("base.rounds=3"))
 
 
+def test_a_study_stored_before_an_optional_section_existed_still_resumes(tiny_study):
+    """study.json written by an older fedprivacy lacks the sections added since (null: off); it resumes, and a
+    section that is set now is still a change."""
+    study = load_study(tiny_study())
+    runs = [{"run_id": s.run_id, "config": json.loads(s.config.to_json())} for s in expand(study)]
+    older = [{**r, "config": {**r["config"], "privacy": {k: v for k, v in r["config"]["privacy"].items()
+                                                         if k != "canaries"}}} for r in runs]
+    assert all(r["config"]["privacy"]["canaries"] is None for r in runs)
+    check_compatible({"study": {"output_dir": "x"}, "runs": older}, {"study": {}, "runs": runs})
+    runs[0]["config"]["privacy"]["canaries"] = {"count": 8}
+    with pytest.raises(ValueError, match="privacy.canaries: None -> "):
+        check_compatible({"study": {"output_dir": "x"}, "runs": older}, {"study": {}, "runs": runs})
+
+
 def test_a_missing_library_names_the_extra(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m.split(".")[0] == "mlflow"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
