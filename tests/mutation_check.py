@@ -62,6 +62,7 @@ MUTATIONS = [
  ("fedprivacy/privacy/accounting.py", "    return not ((kind == \"prv\" and not all(", "    return True or not ((kind == \"prv\" and not all(", "tests/engine/test_strategy.py -k cannot_account"),
  ("fedprivacy/cli.py", "    check_plugins(cfg, args.allow_plugins)\n", "", "tests/test_config_inputs.py -k allow_plugins"),
  ("fedprivacy/cli.py", "        check_plugins(spec.config, args.allow_plugins)\n", "        pass\n", "tests/test_config_inputs.py -k allow_plugins"),
+ ("fedprivacy/fl/run_config.py", "    check_plugins(cfg, allow, opt_in=PLUGIN_OPT_IN)\n", "", "tests/deploy/test_flwr_run.py -k plugin_needs"),
  ("fedprivacy/privacy/aggregation.py", "AggregationStats(raw_updates=placement == \"central\")", "AggregationStats()", "tests/test_outputs.py -k classified"),
  ("fedprivacy/outputs.py", "    \"update_norm_median\": (False,", "    \"update_norm_median\": (True,", "tests/test_outputs.py -k classified"),
  ("fedprivacy/privacy/tree.py", "for level in range(_trailing_zeros(t) + 1)]", "for level in range(_trailing_zeros(t))]", "tests/engine/test_correlated_run.py -k json_alone"),

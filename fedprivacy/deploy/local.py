@@ -66,7 +66,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fedprivacy.config import ConfigError, RunConfig, build_config
+from fedprivacy.config import ConfigError, RunConfig, build_config, plugins
 from fedprivacy.deploy import resources
 from fedprivacy.deploy.security import NodeKeys, TlsFiles, generate_node_keys, generate_tls
 
@@ -99,6 +99,7 @@ clientapp = "fedprivacy.deploy.apps:client_app"
 [tool.flwr.app.config]
 config-yaml = {config_yaml}
 resume = {resume}
+allow-plugins = {allow_plugins}
 """
 
 SupernodePolicy = Literal["continue", "restart", "abort"]
@@ -513,11 +514,14 @@ class LocalDeployment:
             return ""
 
     # -- runs ---------------------------------------------------------------------------------
-    def write_app(self, config_yaml: Path, resume: bool = False) -> Path:
+    def write_app(self, config_yaml: Path, resume: bool = False, allow_plugins: bool = False) -> Path:
+        """The Flower app to submit: fedprivacy's apps reading ``config_yaml``; ``allow_plugins`` is the opt-in
+        (the run config's ``allow-plugins``) to the plug-ins that config names."""
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
-        (app / "pyproject.toml").write_text(APP_PYPROJECT.format(config_yaml=_toml_str(str(config_yaml)),
-                                                                 resume="true" if resume else "false"))
+        (app / "pyproject.toml").write_text(APP_PYPROJECT.format(
+            config_yaml=_toml_str(str(config_yaml)), resume="true" if resume else "false",
+            allow_plugins="true" if allow_plugins else "false"))
         return app
 
     def submit(self, app_dir: Path, echo: bool = False) -> ManagedProcess:
@@ -618,7 +622,9 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
         previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with deployment:
-            app = deployment.write_app(config_yaml, resume=resume)
+            # plug-ins: the command line already refused them without --allow-plugins; the Python API takes what
+            # it is given
+            app = deployment.write_app(config_yaml, resume=resume, allow_plugins=bool(plugins(run_cfg)))
             run = deployment.submit(app, echo=echo)
             printer(f"deployment: SuperLink {deployment.address} ({'TLS + SuperNode auth' if secure else 'insecure'}), "
                     f"{n} SuperNodes; run folder {out}; logs {deployment.logs}")

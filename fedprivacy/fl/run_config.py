@@ -15,6 +15,10 @@ with ``flwr run . --run-config "num-server-rounds=3 noise-multiplier=0.5"``) bec
    key left at its default must not undo the file's value);
 3. validation, whose errors name the run-config key as well as the field.
 
+A config naming a plug-in (``module:factory``: code the ServerApp and every ClientApp would import and call) is
+refused unless the run config says ``allow-plugins = true``: the opt-in of whoever starts the run (``flwr run
+--run-config``, or ``fedprivacy deploy local --allow-plugins``), never of the config file or JSON it names.
+
 An unknown key is an error naming it (Flower itself refuses ``--run-config`` keys the app does not
 declare; this catches a pyproject that declares one the code does not know).
 """
@@ -28,7 +32,7 @@ from typing import Any
 
 from flwr.app import Context
 
-from fedprivacy.config import ConfigError, RunConfig, build_config, read_yaml_mapping
+from fedprivacy.config import ConfigError, RunConfig, build_config, check_plugins, read_yaml_mapping
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,12 @@ RUN_CONFIG_KEYS: tuple[RunConfigKey, ...] = (
 )
 """The typed keys; pyproject.toml's ``[tool.flwr.app.config]`` declares each with this default (a test checks)."""
 
-BASE_KEYS: dict[str, Any] = {"config-yaml": "", "config-json": "", "resume": False}
-"""The other declared keys: the base config file or JSON (empty: the embedded defaults), and resume."""
+BASE_KEYS: dict[str, Any] = {"config-yaml": "", "config-json": "", "resume": False, "allow-plugins": False}
+"""The other declared keys: the base config file or JSON (empty: the embedded defaults), resume, and the
+opt-in to plug-ins (:func:`~fedprivacy.config.check_plugins`)."""
+
+PLUGIN_OPT_IN = '--run-config "allow-plugins=true" (flwr run) or --allow-plugins (fedprivacy deploy local)'
+"""How the one who starts a run opts in to the plug-ins its config names."""
 
 KEYS_BY_NAME = {k.key: k for k in RUN_CONFIG_KEYS}
 
@@ -112,9 +120,11 @@ def config_from_run_config(rc: dict[str, Any]) -> tuple[RunConfig, bool]:
         cfg = build_config(tree, source=source + (" + run config keys" if has_base and applied else ""))
     except ConfigError as err:
         raise ConfigError(f"{err}\n  (run config keys: {'; '.join(applied)})" if applied else str(err)) from None
-    resume = rc.get("resume", False)
-    if not isinstance(resume, bool):
-        raise ConfigError(f"run config key 'resume' must be true or false (got {resume!r})")
+    resume, allow = rc.get("resume", False), rc.get("allow-plugins", False)
+    for key, value in (("resume", resume), ("allow-plugins", allow)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"run config key '{key}' must be true or false (got {value!r})")
+    check_plugins(cfg, allow, opt_in=PLUGIN_OPT_IN)
     return cfg, resume
 
 

@@ -66,6 +66,42 @@ def test_an_unknown_key_is_an_error_naming_it():
         config_from_run_config({**DECLARED, "rounds": 3})
 
 
+PLUGIN = "json:loads"  # any importable callable: what matters is that the apps would import and call it
+
+
+@pytest.mark.parametrize("base", ["config-json", "config-yaml", "key"])
+def test_a_plugin_needs_the_run_config_opt_in(tmp_path, base):
+    """A plug-in named by the config file, its JSON or a typed key would make the ServerApp and every ClientApp
+    import and call that code: refused naming the field and the opt-in unless ``allow-plugins = true``."""
+    tree = {"server": {"optimizer": PLUGIN}}
+    rc = {**DECLARED, "server-optimizer": PLUGIN} if base == "key" else {**DECLARED}
+    if base == "config-json":
+        rc["config-json"] = json.dumps(tree)
+    elif base == "config-yaml":
+        (tmp_path / "c.yaml").write_text(f"server: {{optimizer: '{PLUGIN}'}}\n")
+        rc["config-yaml"] = str(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"server\.optimizer='json:loads' names a plug-in.*allow-plugins=true"):
+        config_from_run_config(rc)
+    cfg, _ = config_from_run_config({**rc, "allow-plugins": True})
+    assert cfg.server.optimizer == PLUGIN
+
+
+@pytest.mark.parametrize("value", ["true", 1, "yes", None])
+def test_the_plugin_opt_in_must_be_a_boolean(value):
+    with pytest.raises(ConfigError, match="'allow-plugins' must be true or false"):
+        config_from_run_config({**DECLARED, "server-optimizer": PLUGIN, "allow-plugins": value})
+
+
+def test_deploy_local_writes_the_opt_in_only_for_a_config_naming_a_plugin(tmp_path):
+    from fedprivacy.deploy.local import LocalDeployment
+
+    deployment = LocalDeployment(tmp_path, 2, secure=False)
+    for allowed in (False, True):
+        app = deployment.write_app(tmp_path / "config.yaml", allow_plugins=allowed)
+        declared = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+        assert declared["allow-plugins"] is allowed and set(declared) <= set(BASE_KEYS)
+
+
 def test_keys_override_a_base_yaml_only_where_set(tmp_path):
     yaml_file = tmp_path / "base.yaml"
     yaml_file.write_text("rounds: 7\nprivacy: {noise_multiplier: 0.3, expected_cohort: 20}\n")
