@@ -50,6 +50,7 @@ from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
+from fedprivacy.fl.canaries import CANARY_RECORD, canary_result
 from fedprivacy.fl.mods import RESIDUAL_KEY, answer_identity_query, compressed_upload, noised_upload
 from fedprivacy.fl.noise_floor import NoiseFloor, SecAggNode, enforce
 from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg
@@ -161,8 +162,15 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         job = ClientJob.of(msg, int(context.node_config["partition-id"]), c, simulated=cfg is not None)
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
-        trained, extra_metrics = _train(msg, context, c, job, model, lookaheads)
-        return client_reply(msg, context.state, c, job, model, trained, extra_metrics)
+        canary = msg.content.config_records.get(CANARY_RECORD)
+        if canary is None:
+            trained, extra_metrics = _train(msg, context, c, job, model, lookaheads)
+            return client_reply(msg, context.state, c, job, model, trained, extra_metrics)
+        dim = sum(p.numel() for p in model.parameters())  # a canary's node: its update instead of training
+        reply = client_reply(msg, context.state, c, job, model,
+                             canary_result(canary, dim, float(msg.content["config"]["clip-norm"])))
+        reply.content.metric_records["metrics"].pop("train_loss", None)  # it trained nothing
+        return reply
 
     return app
 
