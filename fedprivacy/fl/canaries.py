@@ -38,10 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid
 
 from fedprivacy.config import CanaryConfig, RunConfig
+from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, vector_to_arrays
 from fedprivacy.client.trainer import LocalResult
 from fedprivacy.privacy.accounting import AccountantKind, PrivacyLedger, epsilon
 from fedprivacy.privacy.canary_estimates import cosines, one_run_bound, one_shot_epsilon
@@ -231,3 +233,20 @@ def canary_result(record: ConfigRecord, dim: int, clip_norm: float) -> LocalResu
     noise share, local noise or SecAgg+ masking) like any client's; no loss, no examples."""
     update = canary_update(int(record["seed"]), int(record["index"]), bool(record["included"]), dim, clip_norm)
     return LocalResult(SparseUpdate.dense(update), float("nan"), 0)
+
+
+def canary_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    r"""A Flower mod that makes a node of any ClientApp replying full weights (Flower's convention) answer as a
+    canary: a ``train`` message carrying :data:`CANARY_RECORD` gets :math:`x_t + u_i` (:func:`canary_result`'s
+    update :math:`u_i` on the broadcast :math:`x_t`) without calling the app, so the mods around it treat it as
+    the client's trained weights: place it innermost, e.g. ``ClientApp(mods=[client_noise_mod(...), canary_mod])``
+    clips and noises it as any client's (:func:`~fedprivacy.fl.mods.client_noise_mod`). Every other message goes
+    to the app. fedprivacy's own ClientApp needs no mod: it answers canary messages itself."""
+    record = msg.content.config_records.get(CANARY_RECORD)
+    if record is None or msg.metadata.message_type != "train":
+        return call_next(msg, context)
+    sent = float32_arrays(msg.content.array_records["arrays"])
+    start = arrays_to_vector(sent)
+    update = canary_result(record, start.numel(), float(msg.content["config"]["clip-norm"])).update.to_dense()
+    return Message(RecordDict({"arrays": arrays_to_record(vector_to_arrays(start + update, sent)),
+                               "metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import given
@@ -16,10 +17,11 @@ from hypothesis import strategies as st
 from fedprivacy.audit import BROKEN_VARIANTS
 from fedprivacy.config import CanaryConfig, ConfigError
 from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
-from fedprivacy.fl.canaries import CANARY_NORM, CANARY_RECORD, CanaryGrid, RunCanaries
+from fedprivacy.fl import mods
+from fedprivacy.fl.canaries import CANARY_NORM, CANARY_RECORD, CanaryGrid, RunCanaries, canary_mod
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.mods import noised_upload
-from fedprivacy.fl.records import model_to_record, record_to_update
+from fedprivacy.fl.records import arrays_to_vector, float32_arrays, model_to_record, record_to_update
 from fedprivacy.fl.server_app import DPFedAvgServer
 from fedprivacy.privacy.accounting import epsilon_for
 from fedprivacy.privacy.noise import GaussianNoise
@@ -65,15 +67,18 @@ def test_a_mechanism_with_too_little_noise_exceeds_the_claim(small_config):
     assert e["steinke"]["correct"] == e["steinke"]["guesses"]  # every guess right (20 guesses bound at most ~1.8)
 
 
-def test_resume_keeps_the_canaries_drawn_from_the_os(small_config, tmp_path):
+@pytest.mark.parametrize("placement", ["central", "distributed"])
+def test_resume_keeps_the_canaries_drawn_from_the_os(small_config, tmp_path, placement):
     """Without a seed the canaries come from the OS; the checkpoint keeps it, so a resumed run ends as a run that
-    was given that seed from the start (bit-exact model, equal estimates)."""
-    opts = ("privacy.canaries={count: 8, unused: 10}", "privacy.delta=1e-5", "checkpoint_every=2")
+    was given that seed from the start (bit-exact model, equal estimates), also where the canaries' clients add
+    their own noise."""
+    opts = ("privacy.canaries={count: 8, unused: 10}", "privacy.delta=1e-5", "checkpoint_every=2",
+            f"privacy.placement={placement}")
     run(small_config("rounds=2", *opts, f"output_dir={tmp_path / 'part'}"))
     seed = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)["canaries"]["seed"]
     resumed = run(small_config("rounds=4", *opts, f"output_dir={tmp_path / 'part'}"), resume=True)
-    full = run(small_config("rounds=4", "privacy.canaries={count: 8, unused: 10, seed: %d}" % seed,
-                            "privacy.delta=1e-5", "checkpoint_every=2", f"output_dir={tmp_path / 'full'}"))
+    full = run(small_config("rounds=4", *opts, "privacy.canaries={count: 8, unused: 10, seed: %d}" % seed,
+                            f"output_dir={tmp_path / 'full'}"))
     assert torch.equal(torch.load(tmp_path / "part" / "final_model.pt")["embedding.weight"],
                        torch.load(tmp_path / "full" / "final_model.pt")["embedding.weight"])
     assert resumed["empirical_epsilon"] == full["empirical_epsilon"]
@@ -120,6 +125,38 @@ def test_a_canary_node_sends_its_update_through_the_client_pipeline(small_config
         assert torch.equal(record_to_update(reply.content["arrays"], dim).to_dense(), want)
         assert dict(reply.content["metrics"]) == ({"num-examples": 0} if placement == "central" else {})
     assert "train_loss" in replies[0].content["metrics"] or placement != "central"
+
+
+def test_canary_mod_makes_any_client_app_answer_as_a_canary_before_its_noise(small_config, monkeypatch):
+    """A ClientApp that replies full weights, with client_noise_mod and canary_mod innermost: a canary's node
+    replies x_t + clip(u_i) + its noise share (here from a seeded stream), exactly, without training."""
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    monkeypatch.setattr(mods, "GaussianNoise", lambda seed, secure: GaussianNoise(7))
+    trained = []
+    app = ClientApp(mods=[mods.client_noise_mod(placement="distributed", noise_multiplier=1.0, clip_norm=1.0,
+                                                expected_cohort=8), canary_mod])
+
+    @app.train()
+    def train(msg, context):
+        trained.append(msg)
+        return Message(RecordDict({"arrays": msg.content["arrays"]}), reply_to=msg)
+
+    model = load_task(small_config().data).new_model()
+    dim = sum(p.numel() for p in model.parameters())
+    canaries = RunCanaries(CanaryConfig(count=4, seed=5), users=1, dim=dim)
+    i = int(np.flatnonzero(canaries.included)[0])
+    config = ConfigRecord({"server-round": 1, "clip-norm": 0.7})
+    content = RecordDict({"arrays": model_to_record(model), "config": config,
+                          CANARY_RECORD: ConfigRecord({"seed": 5, "index": i, "included": True})})
+    context = Context(run_id=1, node_id=2, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    reply = app(Message(content, dst_node_id=2, message_type="train"), context)
+    x = arrays_to_vector(float32_arrays(content["arrays"]))
+    want = noised_upload(SparseUpdate.dense((x + canaries.update(i, 0.7)) - x), 1.0,
+                         client_noise_std("distributed", 1.0, 1.0, 8), GaussianNoise(7)).values
+    assert torch.equal(arrays_to_vector(float32_arrays(reply.content["arrays"])), x + want) and not trained
+    app(Message(RecordDict({"arrays": content["arrays"], "config": config}), dst_node_id=2, message_type="train"),
+        context)
+    assert len(trained) == 1  # a user's message reaches the app
 
 
 SECURE = ("privacy.placement=distributed", "privacy.secure_aggregation={threshold: 3, neighbours: 5}",
