@@ -21,6 +21,9 @@ Message contract (``message_type``):
   placements: the client clips and adds its noise itself and sends the DENSE noised vector
   (:mod:`fedprivacy.privacy.placement`). With ``client.compression`` it sends the clipped top-k of
   its delta plus the residual it keeps in ``Context.state``.
+  A canary's node (the content carries :data:`~fedprivacy.fl.canaries.CANARY_RECORD`) trains nothing: it sends
+  the canary's update (:func:`~fedprivacy.fl.canaries.canary_result`) through the same upload, without
+  ``train_loss``.
 
 One reply path: whatever trained, :func:`client_reply` turns the client's local training into its
 reply with the steps of :mod:`fedprivacy.fl.mods` (:func:`~fedprivacy.fl.mods.compressed_upload`,
