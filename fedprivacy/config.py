@@ -848,15 +848,12 @@ class RunConfig(_Section):
         p = self.privacy
         if p.canaries is None:
             return self
-        wrong = {name: value for name, value, ok in (
-            ("privacy.placement", p.placement, "central"), ("privacy.secure_aggregation", p.secure_aggregation, None),
-            ("privacy.mechanism.kind", p.mechanism.kind, "independent"), ("privacy.noise_stream", p.noise_stream, None),
-            ("privacy.noise_cohort", p.noise_cohort, None), ("client.sample_dp", self.client.sample_dp, None),
-            ("engine", self.engine, "inprocess")) if value != ok}
-        if wrong:
-            raise ValueError("privacy.canaries needs (for now) central placement, independent Gaussian noise, no secure "
-                             "aggregation, no large-cohort emulation, no client.sample_dp and engine 'inprocess'; got "
-                             + ", ".join(f"{k}={v!r}" for k, v in wrong.items()))
+        if self.engine != "inprocess":
+            raise ValueError(f"privacy.canaries needs engine='inprocess', got engine={self.engine!r}: the canaries' "
+                             "nodes are the in-process engine's last privacy.canaries.count nodes (fedprivacy.fl.canaries)")
+        if self.client.sample_dp is not None:
+            raise ValueError("privacy.canaries with client.sample_dp: a canary trains on no records, so it has no "
+                             "record-level event, and the strategy rejects a reply without one")
         return self
 
     def to_json(self) -> str:

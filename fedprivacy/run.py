@@ -14,6 +14,7 @@ from fedprivacy.config import RunConfig
 from fedprivacy.devices import check_run_device
 from fedprivacy.engines.cohorts import cohort_trainer
 from fedprivacy.engines.inprocess import run_inprocess
+from fedprivacy.fl.canaries import population_with_canaries
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import build_server_app
@@ -57,7 +58,7 @@ def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = N
         task = load_task(cfg.data)
         server_app, client_app = build_server_app(cfg, resume, on_round), build_client_app(cfg)
         if cfg.engine == "inprocess":  # the ClientApps run here: read each cohort's rows ahead
-            run_inprocess(server_app, client_app, task.population, prefetch=getattr(task, "prefetch", None),
+            run_inprocess(server_app, client_app, population_with_canaries(cfg, task.population), prefetch=getattr(task, "prefetch", None),
                           processes=run_processes(cfg), cohort=cohort_trainer(cfg))
         else:
             from fedprivacy.engines.ray import run_ray

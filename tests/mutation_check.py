@@ -112,6 +112,14 @@ MUTATIONS = [
  # Flower Datasets: one user, one partition
  ("fedprivacy/data/flower_datasets.py", "            if home.setdefault(user, i) != i:", "            if False:", "tests/data/test_flower_datasets.py -k splits_a_user"),
  ("fedprivacy/data/flower_datasets.py", "    if isinstance(partitioner, NaturalIdPartitioner) and natural_column(partitioner) == user_column:", "    if isinstance(partitioner, NaturalIdPartitioner):", "tests/data/test_flower_datasets.py -k finer_column"),
+ # canaries in every placement: clients through the client pipeline, the claim of the noise added, cross-round breaks
+ ("fedprivacy/fl/client_app.py", "        canary = msg.content.config_records.get(CANARY_RECORD)\n", "        canary = None\n", "tests/engine/test_canaries.py -k client_pipeline"),
+ ("fedprivacy/fl/canaries.py", "            msg.content = RecordDict({**msg.content, CANARY_RECORD: record})", "            msg.content[CANARY_RECORD] = record", "tests/engine/test_canaries.py -k client_pipeline"),
+ ("fedprivacy/fl/canaries.py", "    if mechanism.noise_cohort is None:\n", "    if True:\n", "tests/engine/test_canaries.py -k large_cohort"),
+ ("fedprivacy/config.py", "        if self.engine != \"inprocess\":\n            raise ValueError(f\"privacy.canaries", "        if False:\n            raise ValueError(f\"privacy.canaries", "tests/engine/test_canaries.py -k refused"),
+ ("fedprivacy/fl/canaries.py", "CANARY_NORM = 2.0", "CANARY_NORM = 0.25", "tests/engine/test_canaries_cross_round.py -k separation"),
+ ("fedprivacy/fl/canaries.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
+ ("fedprivacy/fl/server_app.py", "                self.canaries.load_state_dict(checkpoint[\"canaries\"])\n", "                pass\n", "tests/engine/test_canaries.py -k resume"),
 ]
 
 for path, old, new, test in MUTATIONS:

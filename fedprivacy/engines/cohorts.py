@@ -58,6 +58,7 @@ from fedprivacy.client.sparse_cohort import train_sparse_cohort, trains_in_close
 from fedprivacy.client.trainer import LocalResult, client_generator
 from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.engines.processes import run_processes
+from fedprivacy.fl.canaries import CANARY_RECORD
 from fedprivacy.fl.client_app import ClientJob, LastDecoded, client_reply, combine_disk_passes
 from fedprivacy.fl.records import load_record_
 from fedprivacy.fl.side_information import node_side_information
@@ -151,10 +152,11 @@ class CohortTrainer:
         self._loaded = None  # the broadcast record the model holds
 
     def handles(self, messages: Sequence[Message]) -> bool:
-        """Whether these are ``train`` messages (no SecAgg+ stage; a DiSK lookahead only for the sparse
-        model) that :meth:`replies` answers."""
+        """Whether these are ``train`` messages (no SecAgg+ stage, no canary: :mod:`fedprivacy.fl.canaries`; a DiSK
+        lookahead only for the sparse model) that :meth:`replies` answers."""
         return bool(messages) and all(
             m.metadata.message_type == "train" and "secagg" not in m.content.config_records
+            and CANARY_RECORD not in m.content.config_records
             and (self.sparse or "lookahead" not in m.content.array_records) for m in messages)
 
     def replies(self, messages: Sequence[Message], states: Sequence[RecordDict]) -> Iterator[Message]:

@@ -33,6 +33,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedprivacy.engines.processes import ProcessPool
+from fedprivacy.fl.canaries import CANARY_RECORD
 from fedprivacy.fl.client_app import LEGACY_RESIDUAL, RESIDUAL, adopt_legacy_residual
 
 if TYPE_CHECKING:
@@ -111,10 +112,12 @@ class InProcessGrid(Grid):
         return [node_of[p] for p in range(self.num_nodes)]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Queue messages; their ClientApps run when the replies are pulled."""
+        """Queue messages; their ClientApps run when the replies are pulled (``prefetch`` reads the data of the
+        ``train`` messages' clients ahead, a canary's none: :mod:`fedprivacy.fl.canaries`)."""
         messages = list(messages)
         if self.prefetch is not None and (cohort := [self._partition(m.metadata.dst_node_id) for m in messages
-                                                     if m.metadata.message_type == "train"]):
+                                                     if m.metadata.message_type == "train"
+                                                     and CANARY_RECORD not in m.content.config_records]):
             self.prefetch(cohort)
         ids = []
         for msg in messages:

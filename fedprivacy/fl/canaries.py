@@ -8,10 +8,17 @@ included. Canary ``i`` has the direction :math:`c_i \sim \mathcal N(0, I_d)` and
 checkpoint); whenever it is sampled, an included canary replies :math:`2C_t\,c_i/\|c_i\|` (clipped by the
 server to exactly :math:`C_t`) and an excluded one a zero update. The ``k'`` unused directions never enter the run.
 
-The canaries are answered by :class:`CanaryGrid`, a wrapper of the run's Flower ``Grid`` that gives them node
-ids after the users' and answers their ``train`` messages itself: the strategy samples, clips, noises and
-accounts their replies exactly like the users' (it cannot tell them apart), and neither the strategy nor the
-ClientApp changes.
+The canaries are clients: the in-process engine runs ``N + k`` nodes (:func:`population_with_canaries`), the last
+``k`` the canaries'. :class:`CanaryGrid`, a wrapper of the run's Flower ``Grid``, adds to every message to canary
+``i``'s node the :data:`CANARY_RECORD` (canary seed, ``i``, included); that node's ClientApp (fedprivacy's own,
+:func:`~fedprivacy.fl.client_app.build_client_app`) then sends :func:`canary_result` instead of training, through
+the client's own upload: as it is (central placement), clipped with the client's own noise share or local noise
+(distributed, local: the stream ``(round, partition)`` of any client), or clipped, Skellam-noised and masked by
+the SecAgg+ protocol. The strategy samples, clips, noises, aggregates and accounts their replies exactly like
+the users' (it cannot tell them apart), whatever the mechanism (independent or correlated noise, a plug-in
+noise stream, large-cohort emulation). Under large-cohort emulation the reported epsilon is the emulated
+deployment's, so the canaries are held against the epsilon of the noise actually added
+(:func:`claim_of_the_added_noise`).
 
 At the end (:meth:`RunCanaries.estimates`) each canary's score is the cosine between the run's model change
 :math:`x_T - x_0` and its direction:
@@ -27,25 +34,49 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Iterator
-from typing import Any
-from uuid import uuid4
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid
 
-from fedprivacy.config import CanaryConfig
-from fedprivacy.fl.records import update_to_record
+from fedprivacy.config import CanaryConfig, RunConfig
+from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, vector_to_arrays
+from fedprivacy.client.trainer import LocalResult
+from fedprivacy.privacy.accounting import AccountantKind, PrivacyLedger, epsilon
 from fedprivacy.privacy.canary_estimates import cosines, one_run_bound, one_shot_epsilon
 from fedprivacy.privacy.noise import torch_seed
 from fedprivacy.updates import SparseUpdate
+
+if TYPE_CHECKING:
+    from fedprivacy.privacy.mechanism import GaussianMechanism
 
 DIRECTION_STREAM = 0x64697263  # "dirc": canary i's direction, per canary seed
 INCLUSION_STREAM = 0x696E636C  # "incl": which canaries are included
 BOOTSTRAP_STREAM = 0x626F6F74  # "boot": the one-shot estimate's bootstrap
 CANARY_NORM = 2.0  # an included canary's norm, in units of the round's clip norm: always clipped to exactly C_t
-NOT_A_TRAIN_MESSAGE = 1  # error code of a canary's reply to anything but ``train``
+CANARY_RECORD = "fedprivacy-canary"
+"""The ``ConfigRecord`` in each message to a canary's node: ``seed`` (the canary seed), ``index``, ``included``."""
+
+
+def canary_direction(seed: int, i: int, dim: int) -> torch.Tensor:
+    r"""Unit direction ``i`` of the canary seed ``seed`` in ``dim`` dimensions: :math:`c_i / \|c_i\|`,
+    :math:`c_i \sim \mathcal N(0, I_d)` from the stream ``(seed, DIRECTION_STREAM, i)``."""
+    g = torch.Generator().manual_seed(torch_seed(np.random.SeedSequence([seed, DIRECTION_STREAM, i])))
+    c = torch.randn(dim, generator=g)
+    return c / torch.linalg.vector_norm(c)
+
+
+def canary_update(seed: int, i: int, included: bool, dim: int, clip_norm: float) -> torch.Tensor:
+    """Canary ``i``'s update: its direction at ``CANARY_NORM * clip_norm`` if ``included``, else zero."""
+    return canary_direction(seed, i, dim) * (CANARY_NORM * clip_norm) if included else torch.zeros(dim)
+
+
+def population_with_canaries(cfg: RunConfig, users: int) -> int:
+    """The run's population: its ``users`` and, after them, ``privacy.canaries.count`` canary nodes."""
+    return users + (cfg.privacy.canaries.count if cfg.privacy.canaries is not None else 0)
 
 
 class RunCanaries:
@@ -66,13 +97,11 @@ class RunCanaries:
 
     def direction(self, i: int) -> torch.Tensor:
         """Unit direction ``i`` (``0..count-1``: the canaries, ``count..count+unused-1``: the unused ones)."""
-        g = torch.Generator().manual_seed(torch_seed(np.random.SeedSequence([self.seed, DIRECTION_STREAM, i])))
-        c = torch.randn(self.dim, generator=g)
-        return c / torch.linalg.vector_norm(c)
+        return canary_direction(self.seed, i, self.dim)
 
     def update(self, i: int, clip_norm: float) -> torch.Tensor:
         """Canary ``i``'s reply: its direction at ``CANARY_NORM * clip_norm`` if included, else zero."""
-        return self.direction(i) * (CANARY_NORM * clip_norm) if self.included[i] else torch.zeros(self.dim)
+        return canary_update(self.seed, i, bool(self.included[i]), self.dim, clip_norm)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed}
@@ -114,24 +143,50 @@ class RunCanaries:
                             "guesses": steinke.guesses, "correct": steinke.correct}}
 
 
+    def report(self, change: torch.Tensor, mechanism: GaussianMechanism, delta: float, accountant: AccountantKind,
+               reported: float | None) -> dict[str, Any]:
+        """summary.json's ``empirical_epsilon``: :meth:`estimates` and the claim they test, ``epsilon_claimed``
+        (:func:`claim_of_the_added_noise`); ``reported``: the run's reported epsilon under ``accountant``."""
+        claimed, what = claim_of_the_added_noise(mechanism, delta, accountant, reported)
+        return {**self.estimates(change, delta), "accountant": accountant, "epsilon_claimed": claimed, "claim": what,
+                "epsilon_reported": reported}
+
+
+def claim_of_the_added_noise(mechanism: GaussianMechanism, delta: float, accountant: AccountantKind,
+                             reported: float | None) -> tuple[float | None, str]:
+    r"""The epsilon the canaries test, and what it is: the run's ``reported`` epsilon, except under large-cohort
+    emulation (``privacy.noise_cohort`` :math:`M`), whose reported epsilon is the emulated deployment's (cohort
+    :math:`M` of its own population) and does not hold for the simulated run. The canaries see the noise actually
+    added, std :math:`zCm/M` on the sum of the simulated cohort of :math:`m`, so their claim is the epsilon of
+    the run's releases with the run's own sampler (:math:`q = m/N`, :math:`N` the simulated population, canaries
+    included) and noise multiplier :math:`zm/M`, composed by ``accountant``."""
+    if mechanism.noise_cohort is None:
+        return reported, "the run's reported epsilon"
+    z = mechanism.value_noise_multiplier
+    ledger = PrivacyLedger([(mechanism.noise.event(mechanism.sampler.round_event(z, r), mechanism.stream_release(r)), 1)
+                            for r in range(1, mechanism.ledger.rounds + 1)])
+    return (epsilon(ledger, delta, accountant),
+            f"the simulated run's (noise multiplier z m/M = {z:.4g}, cohort {mechanism.expected_cohort} of "
+            f"{mechanism.population}), not the emulated deployment's reported {reported}")
+
+
 class CanaryGrid(Grid):
-    """The run's ``grid`` with the canaries' nodes added after its own (module docstring); everything else, e.g.
-    the nodes' states, is the wrapped grid's."""
+    """The run's ``grid``, whose last ``count`` partition nodes are the canaries' (module docstring): every message
+    to canary ``i``'s node carries the :data:`CANARY_RECORD` ``{seed, index, included}`` its ClientApp answers with
+    (:func:`canary_result`); everything else, e.g. the nodes' states, is the wrapped grid's."""
 
     def __init__(self, grid: Grid, canaries: RunCanaries) -> None:
         self.inner, self.canaries = grid, canaries
-        users = list(grid.partition_nodes())
-        base = max(users, default=1) + 1
-        self._nodes = users + [base + i for i in range(canaries.count)]
-        self._canary_of = {base + i: i for i in range(canaries.count)}
-        self._replies: dict[str, Message] = {}
+        nodes = list(grid.partition_nodes())
+        if len(nodes) != canaries.users + canaries.count:
+            raise ValueError(f"the grid has {len(nodes)} nodes; a run with {canaries.count} canaries over "
+                             f"{canaries.users} users needs {canaries.users + canaries.count} (the canaries last)")
+        included = canaries.included
+        self._record = {node: ConfigRecord({"seed": canaries.seed, "index": i, "included": bool(included[i])})
+                        for i, node in enumerate(nodes[canaries.users:])}
 
-    def __getattr__(self, name: str) -> Any:  # node_state_dict, load_node_state_dict, close, ...
+    def __getattr__(self, name: str) -> Any:  # node_state_dict, load_node_state_dict, close, partition_nodes, ...
         return getattr(self.inner, name)
-
-    def partition_nodes(self) -> list[int]:
-        """The users' nodes, then the canaries'."""
-        return list(self._nodes)
 
     @property
     def run(self):  # type: ignore[override]
@@ -144,41 +199,54 @@ class CanaryGrid(Grid):
         return self.inner.create_message(*args, **kwargs)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.inner.get_node_ids()) + list(self._canary_of)
+        return self.inner.get_node_ids()
 
-    def _reply(self, msg: Message) -> Message:
-        if msg.metadata.message_type != "train":
-            return Message(Error(code=NOT_A_TRAIN_MESSAGE, reason="canary clients answer train messages only"),
-                           reply_to=msg)
-        clip_norm = float(msg.content["config"]["clip-norm"])
-        update = self.canaries.update(self._canary_of[msg.metadata.dst_node_id], clip_norm)
-        return Message(RecordDict({"arrays": update_to_record(SparseUpdate.dense(update)),
-                                   "metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)
+    def _tag(self, msg: Message) -> Message:
+        """``msg`` with its canary's record, on a copy of its content (a broadcast's records are shared)."""
+        record = self._record.get(msg.metadata.dst_node_id)
+        if record is not None:
+            msg.content = RecordDict({**msg.content, CANARY_RECORD: record})
+        return msg
 
     def _split(self, messages: Iterable[Message]) -> tuple[list[Message], list[Message]]:
-        messages = list(messages)
-        return ([m for m in messages if m.metadata.dst_node_id not in self._canary_of],
-                [m for m in messages if m.metadata.dst_node_id in self._canary_of])
+        messages = [self._tag(m) for m in messages]
+        return ([m for m in messages if m.metadata.dst_node_id not in self._record],
+                [m for m in messages if m.metadata.dst_node_id in self._record])
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        theirs, ours = self._split(messages)
-        ids = list(self.inner.push_messages(theirs)) if theirs else []
-        for msg in ours:
-            key = str(uuid4())
-            self._replies[key] = self._reply(msg)
-            ids.append(key)
-        return ids
+        return self.inner.push_messages([self._tag(m) for m in messages])
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        ids = list(message_ids)
-        theirs = [i for i in ids if i not in self._replies]
-        ours = [self._replies.pop(i) for i in ids if i in self._replies]
-        return (list(self.inner.pull_messages(theirs)) if theirs else []) + ours
+        return self.inner.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
-        """The users' replies from the wrapped grid (lazily), then the canaries'."""
+        """The users' replies from the wrapped grid (lazily), then the canaries' (their ClientApps' replies)."""
         theirs, ours = self._split(messages)
-        if theirs:
-            yield from self.inner.send_and_receive(theirs, timeout=timeout)
-        for msg in ours:
-            yield self._reply(msg)
+        for batch in (theirs, ours):
+            if batch:
+                yield from self.inner.send_and_receive(batch, timeout=timeout)
+
+
+def canary_result(record: ConfigRecord, dim: int, clip_norm: float) -> LocalResult:
+    """What canary ``record["index"]``'s ClientApp sends instead of training (:meth:`RunCanaries.update`, from the
+    :data:`CANARY_RECORD` its node's messages carry): the update then goes through the client's own pipeline (its
+    noise share, local noise or SecAgg+ masking) like any client's; no loss, no examples."""
+    update = canary_update(int(record["seed"]), int(record["index"]), bool(record["included"]), dim, clip_norm)
+    return LocalResult(SparseUpdate.dense(update), float("nan"), 0)
+
+
+def canary_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    r"""A Flower mod that makes a node of any ClientApp replying full weights (Flower's convention) answer as a
+    canary: a ``train`` message carrying :data:`CANARY_RECORD` gets :math:`x_t + u_i` (:func:`canary_result`'s
+    update :math:`u_i` on the broadcast :math:`x_t`) without calling the app, so the mods around it treat it as
+    the client's trained weights: place it innermost, e.g. ``ClientApp(mods=[client_noise_mod(...), canary_mod])``
+    clips and noises it as any client's (:func:`~fedprivacy.fl.mods.client_noise_mod`). Every other message goes
+    to the app. fedprivacy's own ClientApp needs no mod: it answers canary messages itself."""
+    record = msg.content.config_records.get(CANARY_RECORD)
+    if record is None or msg.metadata.message_type != "train":
+        return call_next(msg, context)
+    sent = float32_arrays(msg.content.array_records["arrays"])
+    start = arrays_to_vector(sent)
+    update = canary_result(record, start.numel(), float(msg.content["config"]["clip-norm"])).update.to_dense()
+    return Message(RecordDict({"arrays": arrays_to_record(vector_to_arrays(start + update, sent)),
+                               "metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)

@@ -21,6 +21,9 @@ Message contract (``message_type``):
   placements: the client clips and adds its noise itself and sends the DENSE noised vector
   (:mod:`fedprivacy.privacy.placement`). With ``client.compression`` it sends the clipped top-k of
   its delta plus the residual it keeps in ``Context.state``.
+  A canary's node (the content carries :data:`~fedprivacy.fl.canaries.CANARY_RECORD`) trains nothing: it sends
+  the canary's update (:func:`~fedprivacy.fl.canaries.canary_result`) through the same upload, without
+  ``train_loss``.
 
 One reply path: whatever trained, :func:`client_reply` turns the client's local training into its
 reply with the steps of :mod:`fedprivacy.fl.mods` (:func:`~fedprivacy.fl.mods.compressed_upload`,
@@ -50,6 +53,7 @@ from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
+from fedprivacy.fl.canaries import CANARY_RECORD, canary_result
 from fedprivacy.fl.mods import RESIDUAL_KEY, answer_identity_query, compressed_upload, noised_upload
 from fedprivacy.fl.noise_floor import NoiseFloor, SecAggNode, enforce
 from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg
@@ -161,8 +165,15 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         job = ClientJob.of(msg, int(context.node_config["partition-id"]), c, simulated=cfg is not None)
         model = _working_model(c.data, c.device)
         _load_broadcast(model, msg.content["arrays"], c.device)
-        trained, extra_metrics = _train(msg, context, c, job, model, lookaheads)
-        return client_reply(msg, context.state, c, job, model, trained, extra_metrics)
+        canary = msg.content.config_records.get(CANARY_RECORD)
+        if canary is None:
+            trained, extra_metrics = _train(msg, context, c, job, model, lookaheads)
+            return client_reply(msg, context.state, c, job, model, trained, extra_metrics)
+        dim = sum(p.numel() for p in model.parameters())  # a canary's node: its update instead of training
+        reply = client_reply(msg, context.state, c, job, model,
+                             canary_result(canary, dim, float(msg.content["config"]["clip-norm"])))
+        reply.content.metric_records["metrics"].pop("train_loss", None)  # it trained nothing
+        return reply
 
     return app
 

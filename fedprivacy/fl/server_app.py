@@ -36,7 +36,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.config import ConfigError, MicroAdamConfig, RunConfig
-from fedprivacy.fl.canaries import RunCanaries
+from fedprivacy.fl.canaries import RunCanaries, population_with_canaries
 from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.run_config import config_from_context
@@ -210,7 +210,7 @@ class DPFedAvgServer:
         c = cfg.privacy.canaries  # canary clients: members of the population (fedprivacy.fl.canaries)
         self.canaries = RunCanaries(c, task.population, dim) if c is not None else None
         self.initial_params = parameters_to_vector(self.model.parameters()).detach().clone() if c else None
-        self.population = task.population + (c.count if c else 0)
+        self.population = population_with_canaries(cfg, task.population)
         self.cfg = cfg = resolve_noise_multiplier(cfg, self.population, dim)
         self.task, self.on_round = task, on_round
         self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
@@ -352,10 +352,9 @@ class DPFedAvgServer:
             summary["side_information"] = self.side_info.builds[-1]
         if self.canaries:
             assert self.initial_params is not None
-            accountant = p.budget_accountant
-            summary["empirical_epsilon"] = {
-                **self.canaries.estimates(self.params - self.initial_params.to(self.params.device), s.delta),
-                "accountant": accountant, "epsilon_claimed": summary.get(f"epsilon_{accountant}")}
+            summary["empirical_epsilon"] = self.canaries.report(
+                self.params - self.initial_params.to(self.params.device), s.mechanism, s.delta, p.budget_accountant,
+                summary.get(f"epsilon_{p.budget_accountant}"))
         if len(s.client_ledgers):  # per-client guarantees: a file with every client, extremes in the summary
             s.client_ledgers.write_csv(self.outputs.dir / "client_privacy.csv", s.delta, list(p.accountants))
             summary.update(s.client_ledgers.summary(s.delta, p.budget_accountant))
