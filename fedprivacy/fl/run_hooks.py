@@ -176,7 +176,8 @@ class NodeStates(RunHook):
         self.saved: Mapping[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"node_states": self.grid.node_state_dict() if hasattr(self.grid, "node_state_dict") else None}
+        states = getattr(self.grid, "node_state_dict", None)  # in-process grids hold them
+        return {"node_states": states() if states is not None else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.saved = state

@@ -308,7 +308,7 @@ class DPFedAvg(Strategy):
         return settings
 
     # -- Flower's Strategy interface ----------------------------------------------------------
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's ``Strategy.start``, run by the strategy's own loop (module docstring, "The loop"): rounds until
@@ -349,12 +349,13 @@ class DPFedAvg(Strategy):
             result.arrays = self._record
         return result
 
-    def _round(self, grid: Grid, timeout: float, train_config: ConfigRecord, evaluate_config: ConfigRecord,
+    def _round(self, grid: Grid, timeout: float | None, train_config: ConfigRecord, evaluate_config: ConfigRecord,
                evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None, result: Result) -> bool:
         """Round ``round + 1`` of the loop (Flower's ``server_round`` counts from 1 at each start): the hooks'
         ``before_round``, :meth:`configure_train`, the replies into :meth:`aggregate_train`, client-side and
         central evaluation, the hooks' ``after_round``, a checkpoint when due. False if the budget stopped the run."""
         t, k = self.round + 1, self.round + 1 - self._offset
+        assert self._record is not None, "adopt() the initial model first"
         for hook in self.hooks:
             hook.before_round(t)
         messages = list(self.configure_train(k, self._record, train_config, grid))

@@ -1,4 +1,5 @@
-"""State written before the one checkpoint format still resumes, bit-identically: a ``fedprivacy run`` folder's
+"""One state file and one list of settings a resume may not change (the strategy's settings plus the run's config
+fields), and state written before that format still resuming bit-identically: a ``fedprivacy run`` folder's
 ``checkpoint.pt`` as the former run loop wrote it (a fixture written by that code: a 2-round run of the small
 config with 50 words and 5 tags; its data path made relative), and a user strategy's ``strategy.pt`` (version 2)."""
 
@@ -48,6 +49,16 @@ def test_a_run_in_the_former_format_refuses_a_changed_fixed_field_naming_it(smal
     with pytest.raises(ResumeError, match=field):
         run(small_config("rounds=4", *SMALL, override, f"output_dir={former}"), resume=True)
     assert "version" not in load_checkpoint(former / STATE)  # nothing was written
+
+
+@pytest.mark.parametrize("override, field", [("privacy.accountants=[rdp]", "config.privacy.accountants"),
+                                             ("server.lr=2.0", "lr: 1.0 -> 2.0")])
+def test_a_resume_refuses_a_changed_config_field_or_strategy_setting_naming_it(small_config, tmp_path, override, field):
+    run(small_config("rounds=1", *SMALL, f"output_dir={tmp_path / 'run'}"))
+    before = (tmp_path / "run" / STATE).read_bytes()
+    with pytest.raises(ResumeError, match=field):
+        run(small_config("rounds=2", *SMALL, override, f"output_dir={tmp_path / 'run'}"), resume=True)
+    assert (tmp_path / "run" / STATE).read_bytes() == before
 
 
 def test_a_strategy_state_of_version_2_resumes_bit_identically(tmp_path):
