@@ -14,6 +14,7 @@ from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.fl.strategy_state import LEGACY_STATE, STATE
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.run import run
+from fedprivacy.stackoverflow_tasks import load_task
 
 from test_strategy import _flat, _plain_client_app, _start  # this folder is on sys.path (pytest's rootdir mode)
 from test_strategy_state import SETTINGS
@@ -59,6 +60,19 @@ def test_a_resume_refuses_a_changed_config_field_or_strategy_setting_naming_it(s
     with pytest.raises(ResumeError, match=field):
         run(small_config("rounds=2", *SMALL, override, f"output_dir={tmp_path / 'run'}"), resume=True)
     assert (tmp_path / "run" / STATE).read_bytes() == before
+
+
+def test_a_resume_evaluates_only_the_rounds_it_runs(small_config, tmp_path, monkeypatch):
+    """Flower's loop calls ``evaluate_fn`` at the round a start begins from: the run's evaluation skips it (that
+    model was evaluated when its round ran), so a resume adds no evaluation."""
+    run(small_config("rounds=2", *SMALL, f"output_dir={tmp_path / 'run'}"))  # eval_every=1
+    cfg = small_config("rounds=3", *SMALL, f"output_dir={tmp_path / 'run'}")
+    task_cls, calls = type(load_task(cfg.data)), []
+    original = task_cls.evaluate
+    monkeypatch.setattr(task_cls, "evaluate", lambda self, model: calls.append(1) or original(self, model))
+    run(cfg, resume=True)
+    assert len(calls) == 1  # round 3's
+    assert [r["round"] for r in load_checkpoint(tmp_path / "run" / STATE)["metrics"]] == [1, 2, 3]
 
 
 def test_a_strategy_state_of_version_2_resumes_bit_identically(tmp_path):
