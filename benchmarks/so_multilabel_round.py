@@ -201,9 +201,9 @@ BREAKDOWN = {  # (file, function) -> part of the round
     "server step (post_process)": [("strategy.py", "post_process")],
     "broadcast record (layout_to_record)": [("records.py", "layout_to_record")],
     "privacy metrics (epsilon per round)": [("strategy.py", "_privacy_metrics")],
-    "metrics row and log": [("server_app.py", "_record")],
+    "metrics row and log": [("run_hooks.py", "after_round")],
     "evaluation": [("stackoverflow_tasks.py", "evaluate")],
-    "checkpoint": [("outputs.py", "save_checkpoint")],
+    "checkpoint": [("strategy_state.py", "save")],
 }
 
 
@@ -221,7 +221,7 @@ def worker_breakdown(rounds: int, data: Path, sets: list[str]) -> dict:
     cumulative = {}
     for (file, _, name), (_, _, _, cum, _) in stats.items():
         cumulative[(Path(file).name, name)] = cumulative.get((Path(file).name, name), 0.0) + cum
-    rounds_s = cumulative.get(("server_app.py", "_run_round"), float("nan")) / rounds
+    rounds_s = cumulative.get(("strategy.py", "_round"), float("nan")) / rounds
     parts = {part: sum(cumulative.get(key, 0.0) for key in keys) / rounds for part, keys in BREAKDOWN.items()}
     return {"round_seconds_profiled": rounds_s, "per_round": parts,
             "note": "evaluation and checkpoint: once, after the last round (divided by the rounds)"}

@@ -69,6 +69,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 import torch
+from torch.nn.utils import parameters_to_vector
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
@@ -80,7 +81,8 @@ from fedprivacy.fl import strategy as strategy_module
 from fedprivacy.fl.mods import answer_identity_query
 from fedprivacy.fl.records import update_to_record
 from fedprivacy.fl.population import discover_nodes
-from fedprivacy.fl.server_app import DPFedAvgServer, noise_stream_of
+from fedprivacy.fl.records import model_to_record
+from fedprivacy.fl.server_app import build_strategy, initial_model, noise_stream_of, resolve_noise_multiplier
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.models.logistic import SparseLogisticRegression
 from fedprivacy.outputs import strict_json
@@ -308,15 +310,17 @@ def _trial_scores(strategy_cls: type[DPFedAvg], cfg: RunConfig,
             for t in range(trials):
                 for (name, present), out in scores.items():
                     seed += 1
-                    trial_cfg = audit_config(cfg.model_copy(update={"seed": seed}), Path(tmp) / str(seed))
-                    server = DPFedAvgServer(trial_cfg, task, strategy_cls=strategy_cls)
-                    server.outputs.prepare(resume=False)
-                    server.strategy.use_population(nodes)
-                    mechanism = server.strategy.mechanism
+                    trial_cfg = resolve_noise_multiplier(
+                        audit_config(cfg.model_copy(update={"seed": seed}), Path(tmp) / str(seed)), task.population, dim)
+                    model = initial_model(task, trial_cfg.seed, trial_cfg.device)
+                    strategy = build_strategy(trial_cfg, task.population, model, strategy_cls)
+                    strategy.use_population(nodes)
+                    mechanism = strategy.mechanism
                     mechanism.sampler = _Cohort(((0,) if present else ()) + COHORTS[name], task.population)
-                    start = server.params.clone()
-                    server._run_round(grid, 1)
-                    out[t] = float((server.params - start) @ direction)
+                    start = parameters_to_vector(model.parameters()).detach()
+                    strategy.start(grid, model_to_record(model), num_rounds=1, timeout=trial_cfg.round_timeout_s)
+                    assert strategy.params is not None
+                    out[t] = float((strategy.params - start) @ direction)
                     ledgers.add(mechanism.ledger.entries)
     finally:
         for logger, level in levels.items():

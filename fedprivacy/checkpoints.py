@@ -1,7 +1,7 @@
 """Checkpoint files: written atomically, read back or refused naming the file.
 
-A run's ``checkpoint.pt`` (:class:`fedprivacy.outputs.RunOutputs`) and a strategy's ``strategy.pt``
-(:class:`fedprivacy.fl.strategy_state.StrategyState`) are both written by :func:`atomic_save` (a crash or a
+A strategy's ``checkpoint.pt`` (:class:`fedprivacy.fl.strategy_state.StrategyState`, ``fedprivacy run``'s too) and
+a run's model files (:class:`fedprivacy.outputs.RunOutputs`) are written by :func:`atomic_save` (a crash or a
 full disk mid-write leaves the last complete version) and read by :func:`load_checkpoint` (a damaged file is a
 :class:`ResumeError` naming it). Imports nothing of fedprivacy, so the strategy imports it without the run
 folder's config, CSV and YAML layers.
@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+STATE_FILE = "checkpoint.pt"
+"""A state folder's checkpoint (a strategy's, ``fedprivacy run``'s: :mod:`fedprivacy.fl.strategy_state`)."""
 
 
 class ResumeError(ValueError):

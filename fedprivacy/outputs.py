@@ -7,7 +7,8 @@ Layout of ``output_dir``::
                         epsilon_<accountant>..., cohort stats, seconds)
     initial_model.pt    state dict before round 1
     final_model.pt      state dict after the last round
-    checkpoint.pt       everything needed to resume (written atomically)
+    checkpoint.pt       everything needed to resume: the strategy's state file (:mod:`fedprivacy.fl.strategy_state`)
+    releases.jsonl      the write-ahead release log (:mod:`fedprivacy.privacy.release_log`)
     .lock               held by the run while it runs (:func:`run_lock`)
     metrics.png         test accuracy and epsilon vs round
     metrics_columns.json  each metrics.csv column: whether it is private (derived only from released values
@@ -30,14 +31,15 @@ import pandas as pd
 import torch
 import yaml
 
-from fedprivacy.checkpoints import ResumeError, atomic_save, load_checkpoint, writing
-from fedprivacy.config import RunConfig, config_differences
+from fedprivacy.checkpoints import STATE_FILE, ResumeError, atomic_save, writing
+from fedprivacy.config import RunConfig
 from fedprivacy.locks import LOCK_FILE, FolderBusyError, locked
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = STATE_FILE
 FIXED_ON_RESUME = ("seed", "privacy.", "data.task", "data.vocab_size", "data.num_tags")
 """Config fields (``.``: every field under the section) a resumed run cannot change: the privacy
-claim and its randomness, and what determines the model's shape (task, vocabulary, tags)."""
+claim and its randomness, and what determines the model's shape (task, vocabulary, tags); with the strategy's
+settings, the one list a resume checks (:func:`fixed_settings`)."""
 
 
 _WHO_REPLIED = "who replied and how, counted without noise"
@@ -135,22 +137,25 @@ def require_checkpoint(output_dir: str | Path) -> None:
         raise ResumeError(f"nothing to resume in {output_dir} (no {CHECKPOINT}); run without --resume to start it")
 
 
-def check_resumable(saved: str, cfg: RunConfig) -> None:
-    """Refuse to resume under ``cfg`` a run checkpointed with config ``saved`` (its ``to_json()``) if a
-    :data:`FIXED_ON_RESUME` field changed.
+def fixed_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a run's config (``RunConfig.to_json()``, parsed) that a resume may not change: every
+    :data:`FIXED_ON_RESUME` field, as ``config.<dotted field>`` (the strategy's own settings, which the config also
+    determines, are compared beside them: :meth:`fedprivacy.fl.strategy.DPFedAvg.fixed_settings`)."""
+    flat: dict[str, Any] = {}
 
-    Raises:
-        ResumeError: naming every changed fixed field, old and new value.
-    """
-    changed = config_differences(json.loads(saved), json.loads(cfg.to_json()))
-    fixed = {k: v for k, v in changed.items() if k.startswith(FIXED_ON_RESUME)}
-    if fixed:
-        raise ResumeError("--resume cannot change " + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
-                          + " (the run was started with the old values; restore them or use another output_dir)")
+    def walk(tree: Any, prefix: str) -> None:
+        if isinstance(tree, dict) and tree:
+            for key, value in tree.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix.rstrip(".")] = tree
+
+    walk(config, "")
+    return {f"config.{k}": v for k, v in flat.items() if k.startswith(FIXED_ON_RESUME)}
 
 
 class RunOutputs:
-    """Writes a run's files; reads its checkpoint back when resuming."""
+    """Writes a run's files (its checkpoint is the strategy's: :mod:`fedprivacy.fl.strategy_state`)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -158,34 +163,29 @@ class RunOutputs:
         self.rows: list[dict[str, float]] = []
         self._columns: list[str] | None = None  # metrics.csv's header as last written
 
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.dir / CHECKPOINT
-
-    def prepare(self, resume: bool) -> dict | None:
-        """Create the folder and write config.yaml; return the checkpoint to resume from (``None``: a fresh run).
+    def check(self, resume: bool) -> None:
+        """Refuse to start a run over one the folder holds, or to resume none (nothing is written).
 
         Raises:
             RunExistsError: the folder holds a checkpoint and ``resume`` is false.
-            ResumeError: ``resume`` and no checkpoint, an unreadable one, or one saved under a config
-                whose :data:`FIXED_ON_RESUME` fields differ from this run's.
+            ResumeError: ``resume`` and no checkpoint.
         """
         if resume:
             require_checkpoint(self.dir)
+        elif (self.dir / CHECKPOINT).exists():
+            raise RunExistsError(f"{self.dir} already holds a run ({CHECKPOINT}); pass --resume to continue it "
+                                 "or choose another output_dir")
+
+    def prepare(self, resume: bool) -> None:
+        """:meth:`check`, then create the folder and write config.yaml (a resume's allowed changes included)."""
+        self.check(resume)
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = None
-        if self.checkpoint_path.exists():
-            if not resume:
-                raise RunExistsError(
-                    f"{self.dir} already holds a run ({CHECKPOINT}); pass --resume to continue it "
-                    "or choose another output_dir"
-                )
-            state = load_checkpoint(self.checkpoint_path)
-            check_resumable(state["config"], self.cfg)
-            self.rows = list(state["metrics"])
-            self._write_metrics()
         self._write_text("config.yaml", yaml.safe_dump(json.loads(self.cfg.to_json()), sort_keys=False))
-        return state
+
+    def restore(self, rows: list[dict[str, float]]) -> None:
+        """The checkpointed rows, as ``metrics.csv`` (rows of rounds run after the checkpoint are dropped)."""
+        self.rows = list(rows)
+        self._write_metrics()
 
     def log_round(self, row: dict[str, float]) -> None:
         """Add a round's row to ``metrics.csv``: appended as one line when it has the file's columns
@@ -214,9 +214,6 @@ class RunOutputs:
 
     def save_model(self, name: str, state_dict: dict[str, torch.Tensor]) -> None:
         atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.dir / name)
-
-    def save_checkpoint(self, state: dict) -> None:
-        atomic_save({**state, "metrics": self.rows, "config": self.cfg.to_json()}, self.checkpoint_path)
 
     def write_json(self, name: str, data: Any) -> None:
         """``name`` in the run folder, as indented STRICT JSON (:func:`strict_json`)."""

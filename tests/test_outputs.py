@@ -3,6 +3,7 @@ writes them; resuming refuses what would break the run; failed writes and a held
 and where in one line."""
 
 import errno
+import json
 import math
 import os
 import socket
@@ -19,7 +20,8 @@ from fedprivacy.checkpoints import ResumeError
 from fedprivacy.cli import describe_os_error
 from fedprivacy.config import build_config
 from fedprivacy.locks import FolderBusyError
-from fedprivacy.outputs import RunOutputs, run_lock
+from fedprivacy.fl.strategy_state import StrategyState
+from fedprivacy.outputs import CHECKPOINT, RunOutputs, fixed_settings, run_lock
 from fedprivacy.run import run
 
 
@@ -56,12 +58,27 @@ def test_a_row_with_new_columns_rewrites_the_file_with_them(tmp_path):
     assert math.isnan(df["test_loss"][0]) and df["test_loss"].tolist()[1:] == [0.5, 0.25]
 
 
+def _save(out: RunOutputs, t: int) -> None:
+    """The run's checkpoint of round ``t`` as its strategy writes it: its fixed settings, rows and config."""
+    StrategyState(out.dir).save(_fixed(out), {"round": t, "metrics": out.rows, "config": out.cfg.to_json()})
+
+
+def _fixed(out: RunOutputs) -> dict:
+    return fixed_settings(json.loads(out.cfg.to_json()))
+
+
+def _resume(out: RunOutputs) -> dict | None:
+    """What a resume of ``out``'s config does with the folder: checked, config.yaml written, the state loaded."""
+    out.prepare(resume=True)
+    return StrategyState(out.dir).load(_fixed(out))
+
+
 def _checkpointed(tmp_path, **tree) -> RunOutputs:
     """A run folder holding a checkpoint of round 1 (as the server writes it) under the config ``tree``."""
     out = RunOutputs(build_config({"output_dir": str(tmp_path / "run"), **tree}))
     out.prepare(resume=False)
     out.log_round(_row(1))
-    out.save_checkpoint({"round": 1})
+    _save(out, 1)
     return out
 
 
@@ -75,15 +92,15 @@ def _checkpointed(tmp_path, **tree) -> RunOutputs:
 def test_resume_refuses_a_changed_privacy_setting_seed_or_model_shape_naming_it(tmp_path, override, fields):
     _checkpointed(tmp_path)
     changed = RunOutputs(build_config({"output_dir": str(tmp_path / "run")}, [override]))
-    with pytest.raises(ResumeError, match="--resume cannot change") as err:
-        changed.prepare(resume=True)
+    with pytest.raises(ResumeError, match="holds a run started with other settings") as err:
+        _resume(changed)
     assert all(f in str(err.value) for f in fields)
 
 
 def test_resume_writes_allowed_changes_to_config_yaml(tmp_path):
     _checkpointed(tmp_path)
     longer = RunOutputs(build_config({"output_dir": str(tmp_path / "run")}, ["rounds=80", "client.lr=1.0"]))
-    assert longer.prepare(resume=True)["round"] == 1
+    assert _resume(longer)["round"] == 1
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["rounds"] == 80 and saved["client"]["lr"] == 1.0
 
@@ -93,15 +110,16 @@ def test_resume_without_a_checkpoint_is_refused_and_creates_nothing(tmp_path, ma
     make(tmp_path / "run")
     existed = (tmp_path / "run").exists()
     with pytest.raises(ResumeError, match=f"nothing to resume in {tmp_path / 'run'}"):
-        RunOutputs(build_config({"output_dir": str(tmp_path / "run")})).prepare(resume=True)
+        _resume(RunOutputs(build_config({"output_dir": str(tmp_path / "run")})))
     assert (tmp_path / "run").exists() == existed
 
 
 def test_a_corrupt_checkpoint_is_named(tmp_path):
     out = _checkpointed(tmp_path)
-    out.checkpoint_path.write_bytes(out.checkpoint_path.read_bytes()[:100])  # truncated
-    with pytest.raises(ResumeError, match=f"{out.checkpoint_path} is not a readable checkpoint"):
-        RunOutputs(out.cfg).prepare(resume=True)
+    path = out.dir / CHECKPOINT
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    with pytest.raises(ResumeError, match=f"{path} is not a readable checkpoint"):
+        _resume(RunOutputs(out.cfg))
 
 
 def _no_space(*args, **kwargs):
@@ -113,7 +131,7 @@ def _torch_write_failed(*args, **kwargs):
 
 
 @pytest.mark.parametrize("where, failure, write, name", [
-    ("torch.save", _no_space, lambda out: out.save_checkpoint({"round": 1}), "checkpoint.pt"),
+    ("torch.save", _no_space, lambda out: _save(out, 1), "checkpoint.pt"),
     ("torch.save", _torch_write_failed, lambda out: out.save_model("final_model.pt", {}), "final_model.pt"),
     ("pathlib.Path.write_text", _no_space, lambda out: out.write_json("summary.json", {}), "summary.json"),
     ("pandas.DataFrame.to_csv", _no_space, lambda out: out.log_round(_row(1)), "metrics.csv"),
@@ -133,7 +151,7 @@ def test_a_failed_write_names_the_file_in_one_line(tmp_path, monkeypatch, where,
 
 def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     out = _checkpointed(tmp_path)
-    before = out.checkpoint_path.read_bytes()
+    before = (out.dir / CHECKPOINT).read_bytes()
 
     def partly_written(obj, path, *args, **kwargs):
         Path(path).write_bytes(b"half a checkpoint")
@@ -141,8 +159,8 @@ def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path, monkeypat
 
     monkeypatch.setattr("torch.save", partly_written)
     with pytest.raises(OSError, match="No space left"):
-        out.save_checkpoint({"round": 2})
-    assert out.checkpoint_path.read_bytes() == before and not list(out.dir.glob("*.tmp"))
+        _save(out, 2)
+    assert (out.dir / CHECKPOINT).read_bytes() == before and not list(out.dir.glob("*.tmp"))
 
 
 @contextmanager

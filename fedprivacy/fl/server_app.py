@@ -1,22 +1,21 @@
-"""fedprivacy's ServerApp: the :class:`~fedprivacy.fl.strategy.DPFedAvg` strategy's rounds plus what a run
-adds around them, as pfl-research keeps checkpointing and evaluation outside its algorithms.
+"""fedprivacy's ServerApp: the :class:`~fedprivacy.fl.strategy.DPFedAvg` strategy built from a run's config,
+with the run's hooks, started in the run's folder; as pfl-research keeps checkpointing and evaluation outside its
+algorithms, what a run keeps around the round is hooks the strategy's one loop calls
+(:meth:`DPFedAvg.start <fedprivacy.fl.strategy.DPFedAvg.start>`, :mod:`fedprivacy.fl.hooks`).
 
 The round itself (budget check, sampling over the full population, broadcast, reply triage, clip and sum,
-the release logged ahead with ONE noise draw and the fixed divisor, :class:`ServerStep`, accounting) is
-the strategy's, the same code a hand-written Flower ``ServerApp`` runs with it: both give bit-identical
-models and ledgers. What the run adds (:class:`DPFedAvgServer`):
+the release logged ahead with ONE noise draw and the fixed divisor, :class:`ServerStep`, accounting) and the loop
+around it (resume, checkpoints every ``checkpoint_every`` rounds, the graceful stop) are the strategy's, the same
+code a hand-written Flower ``ServerApp`` runs with it: both give bit-identical models and ledgers. What the run
+adds (:class:`DPFedAvgServer`):
 
 - the configuration: z calibrated from ``privacy.target_epsilon`` (``noise_multiplier: auto``), the
   strategy built from ``cfg`` (:func:`build_strategy`), the initial model from the run seed;
-- the population in partition order (:func:`~fedprivacy.fl.population.discover_nodes`), so that client
-  ``i``'s data and ledger line are partition ``i``'s on every engine;
-- AdaDPS's side information (:class:`~fedprivacy.fl.side_information.SideInformationBroadcast`, the
-  strategy's :class:`~fedprivacy.fl.strategy.NodeContent`), rebuilt at the released ``x_t`` when due;
-- evaluation every ``eval_every`` rounds, ``metrics.csv``, a checkpoint every ``checkpoint_every`` rounds
-  (the strategy's state, the side information, the in-process nodes' state) beside the strategy's
-  write-ahead release log, ``summary.json``, ``client_privacy.csv``, the initial and final models;
-- the ``tracking`` section's TensorBoard and MLflow logs (:mod:`fedprivacy.tracking`), which get each
-  ``metrics.csv`` row once it is checkpointed (so that a resume has nothing to take back).
+- its hooks (:mod:`fedprivacy.fl.run_hooks`): the population in partition order, AdaDPS's side information
+  rebuilt at the released ``x_t`` when due, the canaries' grid, the in-process nodes' states, evaluation every
+  ``eval_every`` rounds (Flower's ``evaluate_fn``), ``metrics.csv``, the ``tracking`` section's logs, the stop on
+  SIGTERM; their states are saved in the strategy's ``checkpoint.pt`` (:mod:`fedprivacy.fl.strategy_state`);
+- ``noise_mechanism.json``, the initial and final models, ``summary.json`` and ``client_privacy.csv``.
 
 Flower's DP wrappers are NOT used: they add noise after the wrapped strategy's step.
 """
@@ -26,20 +25,23 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from fedprivacy.config import ConfigError, MicroAdamConfig, RunConfig
 from fedprivacy.fl.canaries import RunCanaries, population_with_canaries
-from fedprivacy.fl.population import discover_nodes
+from fedprivacy.fl.hooks import RunHook, StopOnRequest
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.run_config import config_from_context
+from fedprivacy.fl.run_hooks import (Canaries, Evaluation, NodeStates, Population, RunRecords, SideInformationRefresh,
+                                     Tracking)
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
@@ -50,11 +52,9 @@ from fedprivacy.privacy.calibration import calibrate_noise_multiplier, solve_noi
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory, planned_ledger
 from fedprivacy.privacy.noise import GaussianNoise, stream_name, torch_seed
-from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
-from fedprivacy.stopping import RunStopped, stop_requested
 from fedprivacy.task import Task
-from fedprivacy.tracking import RunTracker, open_tracker
+from fedprivacy.tracking import open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,10 @@ def noise_stream_of(cfg: RunConfig) -> NoiseStreamFactory:
 
 
 def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls: type[DPFedAvg] = DPFedAvg,
-                   node_content: NodeContent | None = None) -> DPFedAvg:
-    """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``."""
+                   node_content: NodeContent | None = None, state_dir: str | Path | None = None,
+                   hooks: Sequence[RunHook] = ()) -> DPFedAvg:
+    """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``; with
+    ``state_dir`` and ``hooks`` (a checkpoint every ``cfg.checkpoint_every`` rounds), a run's."""
     p, s = cfg.privacy, cfg.server
     assert p.noise_multiplier != "auto", "resolve_noise_multiplier first"
     adaptive = (AdaptiveClipping(p.adaptive_clipping.target_quantile, p.adaptive_clipping.learning_rate,
@@ -129,7 +131,8 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                noise_stream=noise_stream_of(cfg), groups=p.groups, node_content=node_content,
                secure_aggregation=None if p.secure_aggregation is None else SecureAggregation(
                    p.secure_aggregation.threshold, p.secure_aggregation.neighbours, p.secure_aggregation.bits,
-                   p.secure_aggregation.timeout_s))
+                   p.secure_aggregation.timeout_s), state_dir=state_dir, hooks=hooks,
+               checkpoint_every=cfg.checkpoint_every)
 
 
 def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = None) -> RunConfig:
@@ -194,17 +197,23 @@ def initial_model(task: Task, seed: int, device: str) -> torch.nn.Module:
 
 
 class DPFedAvgServer:
-    """One run of ``cfg``: the strategy's rounds against a Flower ``Grid``, and the run's files (module docstring).
+    """One run of ``cfg``: the strategy built from it with the run's hooks (:mod:`fedprivacy.fl.run_hooks`), its
+    state folder the run's ``output_dir``; :meth:`run` starts its loop against a Flower ``Grid`` (module docstring).
 
     Args:
         cfg: the run's configuration.
         task: the data and model.
         on_round: called with ``(round, metrics row)`` after each round is recorded (e.g. a progress display).
         strategy_cls: the strategy's class (the audit's broken variants substitute theirs).
+        resume: continue the run ``output_dir`` holds (else it must hold none).
+
+    Raises:
+        RunExistsError: the folder holds a run and ``resume`` is false.
+        ResumeError: ``resume`` and nothing to resume, or a setting a resume may not change changed (naming it).
     """
 
     def __init__(self, cfg: RunConfig, task: Task, on_round: RoundCallback | None = None,
-                 strategy_cls: type[DPFedAvg] = DPFedAvg) -> None:
+                 strategy_cls: type[DPFedAvg] = DPFedAvg, resume: bool = False) -> None:
         self.model = initial_model(task, cfg.seed, cfg.device)  # x_0 depends on the seed, not on z
         dim = sum(p.numel() for p in self.model.parameters())
         c = cfg.privacy.canaries  # canary clients: members of the population (fedprivacy.fl.canaries)
@@ -212,50 +221,27 @@ class DPFedAvgServer:
         self.initial_params = parameters_to_vector(self.model.parameters()).detach().clone() if c else None
         self.population = population_with_canaries(cfg, task.population)
         self.cfg = cfg = resolve_noise_multiplier(cfg, self.population, dim)
-        self.task, self.on_round = task, on_round
-        self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
-        self.strategy = build_strategy(cfg, self.population, self.model, strategy_cls, self.side_info)
-        self.strategy.rounds_planned = cfg.rounds
-        self.strategy.adopt(model_to_record(self.model))
+        self.task, self.resume = task, resume
         self.outputs = RunOutputs(cfg)
-        self.grid: Grid | None = None
-        self.tracker: RunTracker | None = None
+        self.outputs.check(resume)
+        self.side_info = SideInformationBroadcast(cfg, task) if cfg.client.adadps else None
+        refresh = SideInformationRefresh(self.side_info, self.model, self.outputs) if self.side_info else None
+        self.evaluation = Evaluation(cfg, task, self.model)
+        self.tracking = Tracking(self.outputs)
+        hooks: list[RunHook] = [RunRecords(cfg, self.outputs, on_round, refresh), self.evaluation]
+        hooks += [refresh] if refresh else []
+        hooks += [NodeStates(cfg.client.compression is not None)]
+        hooks += [Canaries(self.canaries)] if self.canaries else []
+        hooks += [Population(self.population), self.tracking, StopOnRequest()]
+        self.strategy = build_strategy(cfg, self.population, self.model, strategy_cls, self.side_info,
+                                       state_dir=cfg.output_dir, hooks=hooks)
+        self.strategy.adopt(model_to_record(self.model))
 
     @property
     def params(self) -> torch.Tensor:
         """``x_t``, flat (the strategy's)."""
         assert self.strategy.params is not None
         return self.strategy.params
-
-    # -- state ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The strategy's state, the side information and, where this engine holds them (in-process), the
-        clients' own states (real SuperNodes keep theirs)."""
-        return {**self.strategy.state_dict(),
-                "side_information": self.side_info.state_dict() if self.side_info else None,
-                "canaries": self.canaries.state_dict() if self.canaries else None,
-                "node_states": self.grid.node_state_dict() if hasattr(self.grid, "node_state_dict") else None}
-
-    def _resume(self, checkpoint: dict[str, Any] | None, grid: Grid) -> None:
-        """Continue from ``checkpoint`` (None: a fresh run) with every logged release accounted."""
-        if checkpoint is None:
-            self.outputs.save_model("initial_model.pt", self._model_state())
-        else:
-            if self.side_info:
-                self.side_info.load_state_dict(checkpoint["side_information"])
-            if self.canaries:
-                if checkpoint.get("canaries") is None:
-                    raise ConfigError("privacy.canaries is set but the checkpoint holds no canaries (the run started "
-                                      "without them): a run's canaries are part of its population from round 1")
-                self.canaries.load_state_dict(checkpoint["canaries"])
-        self.strategy.resume(checkpoint, ReleaseLog(self.outputs.dir))
-        if checkpoint is None:
-            return
-        log.info("resumed from round %d (epsilon so far kept in the ledger)", self.strategy.round)
-        if checkpoint.get("node_states") and hasattr(grid, "load_node_state_dict"):
-            grid.load_node_state_dict(checkpoint["node_states"])
-        elif self.cfg.client.compression is not None:
-            log.warning("this engine keeps no client state across a resume: uplink residuals restart at zero")
 
     def privacy_claim(self) -> str:
         """What the reported epsilon means, in words (written to the summary)."""
@@ -296,49 +282,30 @@ class DPFedAvgServer:
         return (f"user-level ({p.sampling} sampling, delta={self.strategy.delta:.3g}{weak}) for {who}; {where}{records}{side}; "
                 f"{randomness}{clients}")
 
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        vector_to_parameters(self.params, self.model.parameters())
-        return self.model.state_dict()
+    def run(self, grid: Grid) -> dict[str, Any]:
+        """Write the run's files, run the strategy's loop until ``cfg.rounds`` or the privacy budget (resuming
+        from the folder's checkpoint with ``resume``), then the final model and the summary; return the summary.
 
-    # -- rounds -----------------------------------------------------------------------------
-    def run(self, grid: Grid, resume: bool = False) -> dict[str, Any]:
-        """Run rounds until ``cfg.rounds`` or the privacy budget; return the summary."""
-        self.grid = grid
-        checkpoint = self.outputs.prepare(resume)
+        Raises:
+            RunStopped: stopped on request between rounds (:mod:`fedprivacy.stopping`), its checkpoint written.
+        """
+        self.outputs.prepare(self.resume)
         m, p = self.strategy.mechanism, self.cfg.privacy
         self.outputs.write_json("noise_mechanism.json", noise_mechanism(
             stream_name(m.noise_stream), m.noise, noise_multiplier=m.noise_multiplier, clip_norm=p.clip_norm,
             sampling=p.sampling, groups=p.groups,
             placement="secure aggregation (Skellam)" if p.secure_aggregation else p.placement))
         log.info("privacy: %s", self.privacy_claim())
-        self._resume(checkpoint, grid)
-        if self.canaries:  # after the resume: the canaries' seed is the checkpoint's
-            self.grid = grid = self.canaries.grid(grid)
-        self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))
+        if not self.resume:
+            self.outputs.save_model("initial_model.pt", self._model_state())
         with open_tracker(self.outputs.dir, self.cfg.tracking, json.loads(self.cfg.to_json()),
-                          self.cfg.privacy.placement, resume=checkpoint is not None) as self.tracker:
-            self.tracker.log_rows(self.outputs.rows)  # checkpointed rounds a tracker may lack (a crash, or newly on)
-            stop_reason, k = "rounds", 1
-            while self.strategy.round < self.cfg.rounds:
-                if not self._run_round(grid, k):
-                    stop_reason = "privacy_budget"
-                    break
-                if stop_requested() and self.strategy.round < self.cfg.rounds:
-                    self._checkpoint()
-                    raise RunStopped(f"stopped on request after round {self.strategy.round}; its checkpoint holds "
-                                     "every release: --resume continues with nothing lost")
-                k += 1
+                          self.cfg.privacy.placement, resume=self.resume) as self.tracking.tracker:
+            self.strategy.start(grid, model_to_record(self.model), num_rounds=self.cfg.rounds,
+                                timeout=self.cfg.round_timeout_s, evaluate_fn=self.evaluation)
             self.outputs.save_model("final_model.pt", self._model_state())
-            self._checkpoint()
-            summary = self._summary(stop_reason)
+            summary = self._summary("privacy_budget" if self.strategy.stopped else "rounds")
             self.outputs.finish(summary)
         return summary
-
-    def _checkpoint(self) -> None:
-        """Save the checkpoint, then give the trackers the rows it holds."""
-        self.outputs.save_checkpoint(self.state_dict())
-        assert self.tracker is not None
-        self.tracker.log_rows(self.outputs.rows)
 
     def _summary(self, stop_reason: str) -> dict[str, Any]:
         """``summary.json``: how the run ended, its privacy claim, its last metrics; ``client_privacy.csv``."""
@@ -360,55 +327,9 @@ class DPFedAvgServer:
             summary.update(s.client_ledgers.summary(s.delta, p.budget_accountant))
         return summary
 
-    def _run_round(self, grid: Grid, k: int) -> bool:
-        """The strategy's round ``k`` of this start (the run's round ``strategy.round + 1``), as Flower's loop
-        runs it, then evaluation and the round's records; False if the budget stopped the run before it."""
-        t0, s = time.perf_counter(), self.strategy
-        self._refresh_side_information()
-        messages = list(s.configure_train(k, s.arrays, ConfigRecord(), grid))
-        if s.stopped:
-            return False
-        side_info_bytes = sum(self.side_info.bytes_for(node) for node in s.cohort) if self.side_info else 0
-        _, metrics = s.aggregate_train(k, grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s))
-        assert metrics is not None
-        row = self._metrics_row(metrics)
-        if self.side_info:
-            row["side_information_bytes"] = float(side_info_bytes)
-        row["seconds"] = time.perf_counter() - t0
-        self._record(row)
-        return True
-
-    def _metrics_row(self, metrics: MetricRecord) -> dict[str, float]:
-        """The round's metrics.csv row: the strategy's metrics, and the evaluation when due."""
-        t = self.strategy.round
-        row: dict[str, float] = {"round": t, "train_loss": float("nan"), "test_loss": float("nan"),
-                                 "test_accuracy": float("nan")}
-        row.update({k: float(v) for k, v in metrics.items()})  # type: ignore[arg-type]
-        if t % self.cfg.eval_every == 0 or t == self.cfg.rounds:
-            vector_to_parameters(self.params, self.model.parameters())
-            row.update(self.task.evaluate(self.model))
-        return row
-
-    def _record(self, row: dict[str, float]) -> None:
-        """Write the round's metrics.csv row, checkpoint when due, and log one line."""
-        t = self.strategy.round
-        self.outputs.log_round(row)
-        if t % self.cfg.checkpoint_every == 0:
-            self._checkpoint()
-        accountant = self.cfg.privacy.budget_accountant
-        accuracy = row.get("test_accuracy", float("nan"))
-        log.info("round %d: cohort %d, eps(%s) %.4g, %.2fs%s", t, int(row["cohort_sampled"]), accountant,
-                 row[f"epsilon_{accountant}"], row["seconds"],
-                 f", test accuracy {accuracy:.4f}" if accuracy == accuracy else "")
-        if self.on_round is not None:
-            self.on_round(t, row)
-
-    def _refresh_side_information(self) -> None:
-        """AdaDPS: rebuild the public ``A`` at the released ``x_t`` when its schedule says so."""
-        if self.side_info:
-            vector_to_parameters(self.params, self.model.parameters())
-            if self.side_info.update(self.strategy.round, self.model):
-                self.outputs.write_json("side_information.json", self.side_info.builds)
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        vector_to_parameters(self.params, self.model.parameters())
+        return self.model.state_dict()
 
 
 def build_server_app(cfg: RunConfig | None = None, resume: bool = False,
@@ -424,8 +345,7 @@ def build_server_app(cfg: RunConfig | None = None, resume: bool = False,
         else:  # `flwr run`: the config comes from the run config, and nothing has prepared the data yet
             run_cfg, run_resume = config_from_context(context)
             ensure_data(run_cfg.data)
-        server = DPFedAvgServer(run_cfg, load_task(run_cfg.data), on_round)
-        server.run(grid, resume=run_resume)
+        DPFedAvgServer(run_cfg, load_task(run_cfg.data), on_round, resume=run_resume).run(grid)
 
     return app
 

@@ -50,9 +50,17 @@ Watching a run: ``on_round(round, metrics)`` (a :data:`~fedprivacy.callbacks.Rou
 :meth:`fedprivacy.tracking.RunTracker.log_round` for TensorBoard and MLflow) gets each round's metrics, the
 ``MetricRecord`` :meth:`DPFedAvg.aggregate_train` returns, as floats.
 
+The loop: ``start()`` is Flower's ``Strategy.start`` contract (``configure_train``, the grid's replies into
+``aggregate_train``, ``configure_evaluate``/``aggregate_evaluate``, ``evaluate_fn`` before the first round and after
+each, a ``Result``) run by the strategy's own loop, which also stops between rounds (the budget; a hook's request:
+:class:`~fedprivacy.fl.hooks.StopOnRequest` raises :class:`~fedprivacy.stopping.RunStopped` after a checkpoint),
+checkpoints every ``checkpoint_every`` rounds and calls ``hooks`` (:class:`~fedprivacy.fl.hooks.RunHook`) at named
+points: ``fedprivacy run`` is this loop with its hooks (:mod:`fedprivacy.fl.run_hooks`). It logs no line per round.
+
 Crashes: with ``state_dir=PATH`` (:mod:`fedprivacy.fl.strategy_state`) the strategy logs every release
-ahead and checkpoints after every round; a strategy constructed on a PATH that holds state continues
-it: ``start()`` resumes from the checkpoint's round and model (the ``initial_arrays`` it is given are
+ahead and checkpoints every ``checkpoint_every`` rounds (with its hooks' states), at a stop and at the end; a
+release after the last checkpoint stays accounted (the write-ahead log). A strategy constructed on a PATH that
+holds state continues it: ``start()`` resumes from the checkpoint's round and model (the ``initial_arrays`` it is given are
 then not used; ``Result.arrays`` is the final model, :attr:`DPFedAvg.arrays` the latest one), every
 logged release is accounted, no cohort or noise draw is reused, and a changed setting (z, C, m, N,
 sampling, placement, delta, seed, optimizer, ...) is refused naming it. ``num_rounds`` counts from the
@@ -70,6 +78,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,6 +94,7 @@ from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
 from fedprivacy.fl.records import layout_to_record, record_nbytes, record_to_layout, reply_content, reply_to_update
+from fedprivacy.fl.hooks import RunHook
 from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
@@ -103,6 +113,7 @@ from fedprivacy.privacy.noise import GaussianNoise, part_name, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.privacy.sampling import Schedule, ScheduleFactory
+from fedprivacy.stopping import RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +207,9 @@ class DPFedAvg(Strategy):
         state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
             "Crashes"); None: nothing is kept, and a crash loses the ledger.
         on_round: called with ``(round, metrics)`` after each round's release (module docstring, "Watching a run").
+        hooks: what the loop calls around the rounds, in this order (:class:`~fedprivacy.fl.hooks.RunHook`); their
+            states are saved with the strategy's and their ``fixed_settings`` refused changed like its settings.
+        checkpoint_every: with ``state_dir``, checkpoint after every this many rounds (and at a stop, at the end).
     """
 
     mechanism_cls: type[GaussianMechanism] = GaussianMechanism
@@ -218,7 +232,8 @@ class DPFedAvg(Strategy):
                  node_content: NodeContent | None = None, groups: int = 1,
                  secure_aggregation: SecureAggregation | None = None,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None,
-                 on_round: RoundCallback | None = None) -> None:
+                 on_round: RoundCallback | None = None, hooks: Sequence[RunHook] = (),
+                 checkpoint_every: int = 1) -> None:
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population,
                          "sampling": part_name(sampling), "placement": placement,
@@ -278,9 +293,12 @@ class DPFedAvg(Strategy):
         self.empty_rounds: list[int] = []  # rounds in which no sampled client's update was accepted
         self.stopped = False
         self.on_round = on_round
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
+        self.hooks, self.checkpoint_every = list(hooks), checkpoint_every
         self.state = None if state_dir is None else StrategyState(state_dir)
         if self.state is not None:
-            self.state.load(self.settings)  # a changed setting is refused now, before anything runs
+            self.state.load(self.fixed_settings(), self.former_settings)  # refused now, before anything runs
 
     def _optimizer_settings(self, optimizer: OptimizerName | ServerOptimizerFactory,
                             given: dict[str, Any] | None) -> dict[str, Any]:
@@ -290,24 +308,110 @@ class DPFedAvg(Strategy):
         return settings
 
     # -- Flower's Strategy interface ----------------------------------------------------------
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start``; with ``state_dir``, resumable (module docstring, "Crashes")."""
+        """Flower's ``Strategy.start``, run by the strategy's own loop (module docstring, "The loop"): rounds until
+        ``num_rounds`` (counted from the run's start) or the budget; with ``state_dir``, resumable (module docstring,
+        "Crashes"). ``evaluate_fn(round, arrays)`` runs before the first round of this start and after each round,
+        as in Flower's loop.
+
+        Raises:
+            RunStopped: a hook asked to stop (:class:`~fedprivacy.fl.hooks.StopOnRequest`); the checkpoint is written.
+        """
         self.rounds_planned = num_rounds
-        if self.state is None:
-            self._offset = self.round
-            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                                 evaluate_fn)
-        with self.state.lock():
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result()
+        self.summary()
+        with self.state.lock() if self.state is not None else nullcontext():
             self.adopt(initial_arrays)
-            self.resume(self.state.load(self.settings), ReleaseLog(self.state.dir))
-            offset, initial = self._offset, self._record
-            assert initial is not None
-            shifted = None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd + offset, arrays))
-            result = super().start(grid, initial, max(num_rounds - offset, 0), timeout, train_config,
-                                   evaluate_config, shifted)
-        return _shift_rounds(result, offset, initial)
+            if self.state is not None:
+                saved = self.state.load(self.fixed_settings(), self.former_settings)
+                for hook in self.hooks:
+                    if saved is not None:
+                        hook.load_state_dict(saved)
+                self.resume(saved, ReleaseLog(self.state.dir))
+            self._offset = self.round
+            for hook in self.hooks:
+                grid = hook.start(self, grid)
+            if evaluate_fn is not None:
+                _evaluate(result, evaluate_fn, self.round, self._record)
+            while self.round < num_rounds and self._round(grid, timeout, train_config, evaluate_config, evaluate_fn,
+                                                          result):
+                if self.round < num_rounds and any(hook.stop_requested() for hook in self.hooks):
+                    self.checkpoint()
+                    raise RunStopped(f"stopped on request after round {self.round}; its checkpoint holds every "
+                                     "release: resuming continues with nothing lost")
+            self.checkpoint()
+        if not len(result.arrays):  # no round ran in this start(): the model is where the run left it
+            assert self._record is not None
+            result.arrays = self._record
+        return result
+
+    def _round(self, grid: Grid, timeout: float | None, train_config: ConfigRecord, evaluate_config: ConfigRecord,
+               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None, result: Result) -> bool:
+        """Round ``round + 1`` of the loop (Flower's ``server_round`` counts from 1 at each start): the hooks'
+        ``before_round``, :meth:`configure_train`, the replies into :meth:`aggregate_train`, client-side and
+        central evaluation, the hooks' ``after_round``, a checkpoint when due. False if the budget stopped the run."""
+        t, k = self.round + 1, self.round + 1 - self._offset
+        assert self._record is not None, "adopt() the initial model first"
+        for hook in self.hooks:
+            hook.before_round(t)
+        messages = list(self.configure_train(k, self._record, train_config, grid))
+        if self.stopped:
+            return False
+        for hook in self.hooks:
+            hook.sampled(t, self.cohort)
+        arrays, metrics = self.aggregate_train(k, grid.send_and_receive(messages, timeout=timeout))
+        if arrays is not None:
+            result.arrays = arrays
+        if metrics is not None:
+            result.train_metrics_clientapp[self.round] = metrics
+        row = {key: float(v) for key, v in (metrics or {}).items()}  # type: ignore[arg-type]
+        evaluation = list(self.configure_evaluate(k, self._record, evaluate_config, grid))
+        if evaluation:
+            client_metrics = self.aggregate_evaluate(k, grid.send_and_receive(evaluation, timeout=timeout))
+            if client_metrics is not None:
+                result.evaluate_metrics_clientapp[self.round] = client_metrics
+        if evaluate_fn is not None:
+            row.update(_evaluate(result, evaluate_fn, self.round, self._record))
+        for hook in self.hooks:
+            hook.after_round(self.round, row)
+        if self.round % self.checkpoint_every == 0:
+            self.checkpoint()
+        return True
+
+    def fixed_settings(self) -> dict[str, Any]:
+        """What a resume may not change: :attr:`settings` and every hook's ``fixed_settings``."""
+        out = dict(self.settings)
+        for hook in self.hooks:
+            out.update(hook.fixed_settings())
+        return out
+
+    def former_settings(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The fixed settings of a state written before they were saved, as its hooks tell them (their
+        ``former_settings``; a hook that cannot tell keeps its current ones, as does the strategy); None when no
+        hook can tell (:func:`~fedprivacy.fl.strategy_state.migrate`)."""
+        told = [hook.former_settings(state) for hook in self.hooks]
+        if all(t is None for t in told):
+            return None
+        out = dict(self.settings)
+        for hook, t in zip(self.hooks, told):
+            out.update(hook.fixed_settings() if t is None else t)
+        return out
+
+    def checkpoint(self) -> None:
+        """With ``state_dir``: save :meth:`state_dict` and the hooks' states, then tell the hooks (their
+        ``checkpointed``); nothing without."""
+        if self.state is None:
+            return
+        state = self.state_dict()
+        for hook in self.hooks:
+            state.update(hook.state_dict())
+        self.state.save(self.fixed_settings(), state)
+        for hook in self.hooks:
+            hook.checkpointed()
 
     @property
     def arrays(self) -> ArrayRecord | None:
@@ -373,8 +477,6 @@ class DPFedAvg(Strategy):
         self._record = layout_to_record(self.params, self.layout)
         if self.prefetch_noise and (self.rounds_planned is None or self.round < self.rounds_planned):
             self.mechanism.prefetch(agg)  # every draw of this round is made: start the next round's
-        if self.state is not None:
-            self.state.save(self.settings, self.state_dict())
         metrics: dict[str, Any] = {**diagnostics.metrics(), **self._privacy_metrics(agg, released),
                                    **self._round_metrics(), **(extra or {})}
         return self._record, MetricRecord(metrics)
@@ -701,13 +803,12 @@ def _check_accounting(mechanism: GaussianMechanism, budget_accountant: Accountan
                          "accounts every mechanism)")
 
 
-def _shift_rounds(result: Result, offset: int, initial_arrays: ArrayRecord) -> Result:
-    """Flower's ``Result`` of a restarted loop with its rounds numbered from the run's start."""
-    for history in (result.train_metrics_clientapp, result.evaluate_metrics_clientapp,
-                    result.evaluate_metrics_serverapp):
-        shifted = {rnd + offset: v for rnd, v in history.items()}
-        history.clear()
-        history.update(shifted)
-    if not len(result.arrays):  # no round ran in this start(): the model is where the run left it
-        result.arrays = initial_arrays
-    return result
+def _evaluate(result: Result, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None], t: int,
+              arrays: ArrayRecord | None) -> dict[str, float]:
+    """``evaluate_fn`` at round ``t`` (Flower's central evaluation), kept in ``result``; its metrics as floats."""
+    assert arrays is not None
+    metrics = evaluate_fn(t, arrays)
+    if metrics is None:
+        return {}
+    result.evaluate_metrics_serverapp[t] = metrics
+    return {key: float(v) for key, v in metrics.items()}  # type: ignore[arg-type]

@@ -88,7 +88,7 @@ def test_a_restart_from_the_os_begins_a_new_strategy_and_accounts_it(tmp_path):
     settings = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=2, population=8, delta=1e-3, seed=None,
                     sampling="min_separated", groups=2, noise_stream=spec)
     _start(DPFedAvg(**settings, state_dir=tmp_path), _identified_client_app(), 8, rounds=3, lr=0.5)
-    saved = load_checkpoint(tmp_path / "strategy.pt")
+    saved = load_checkpoint(tmp_path / "checkpoint.pt")
     assert saved["noise"] is None and saved["sampler"] is None  # no noise (no buffer, no generator) on disk
     assert saved["stream_start"] == 1  # a plain number: how the stream numbered its releases
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
@@ -115,7 +115,7 @@ def test_an_os_noise_blt_run_killed_after_logging_release_4_before_its_checkpoin
     with pytest.raises(KeyboardInterrupt):
         _start(DPFedAvg(**settings, state_dir=tmp_path), _identified_client_app(), 8, rounds=6, lr=0.5)
     monkeypatch.setattr(StrategyState, "save", save)
-    assert load_checkpoint(tmp_path / "strategy.pt")["round"] == 3
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 3
     assert ReleaseLog(tmp_path).entries[3]["event"] == CoveredRelease(1.0, "blt")
     restarted = DPFedAvg(**settings, state_dir=tmp_path)
     _start(restarted, _identified_client_app(), 8, rounds=6, lr=0.5)

@@ -16,7 +16,7 @@ from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.population import discover_nodes
-from fedprivacy.fl.server_app import DPFedAvgServer, build_server_app
+from fedprivacy.fl.server_app import build_server_app
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.outputs import RunExistsError
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
@@ -156,14 +156,14 @@ def test_a_crash_after_a_mid_run_checkpoint_resumes_bit_exactly(small_config, tm
     full = small_config("rounds=4", f"output_dir={tmp_path / 'full'}")
     run(full)
     part = small_config("rounds=4", "checkpoint_every=2", f"output_dir={tmp_path / 'part'}")
-    original = DPFedAvgServer._run_round
+    original = DPFedAvg._round
 
     def crash_in_round_3(self, *args):
-        if self.strategy.round == 2:
+        if self.round == 2:
             raise RuntimeError("simulated crash")
         return original(self, *args)
 
-    monkeypatch.setattr(DPFedAvgServer, "_run_round", crash_in_round_3)
+    monkeypatch.setattr(DPFedAvg, "_round", crash_in_round_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(part)
     monkeypatch.undo()

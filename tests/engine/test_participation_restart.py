@@ -250,7 +250,8 @@ def test_fedprivacy_run_keeps_its_partition_order_and_resumes_a_checkpoint_that_
     """``fedprivacy run`` maps partition ``i`` to user ``i`` (``discover_nodes``) on every start: its checkpoint
     keeps that order, and one of an older fedprivacy without it resumes in the same order."""
     blt = ("privacy.sampling=min_separated", "privacy.groups=2", "privacy.mechanism.kind=blt",
-           "privacy.mechanism.buffers=2", "privacy.expected_cohort=6", "privacy.accountants=[rdp]")
+           "privacy.mechanism.buffers=2", "privacy.mechanism.horizon=3", "privacy.expected_cohort=6",
+           "privacy.accountants=[rdp]")
     out = tmp_path / "run"
     summary = run(small_config("rounds=2", f"output_dir={out}", *blt))
     saved = torch.load(out / CHECKPOINT, weights_only=False)

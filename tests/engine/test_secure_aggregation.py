@@ -237,9 +237,9 @@ def test_a_crash_after_a_logged_release_with_a_dropout_resumes_with_that_release
         return partition == 2 and stage == "collect" and rounds_seen[0] == 2
 
     _run(_strategy(z=1.0, state_dir=tmp_path), _client(counting), rounds=1)
-    after_round_1 = (tmp_path / "strategy.pt").read_bytes()
+    after_round_1 = (tmp_path / "checkpoint.pt").read_bytes()
     _run(_strategy(z=1.0, state_dir=tmp_path), _client(counting), rounds=2)
-    (tmp_path / "strategy.pt").write_bytes(after_round_1)  # a crash after release 2 was logged, before its checkpoint
+    (tmp_path / "checkpoint.pt").write_bytes(after_round_1)  # a crash after release 2 was logged, before its checkpoint
     resumed = _strategy(z=1.0, state_dir=tmp_path)
     _run(resumed, _client(), rounds=3)
     shares = [round(e.variance / resumed.mechanism.params().share_variance)
