@@ -51,4 +51,5 @@ def test_no_issue_numbers_on_the_benchmark_pages(page):
 
 def test_the_two_pages_point_at_each_other():
     assert "(docs/benchmarks-history.md)" in PAGE.read_text()
-    assert "(../BENCHMARKS.md)" in HISTORY.read_text().splitlines()[2]
+    # BENCHMARKS.md is outside the docs site, so the history names it instead of linking (a link would fail the build)
+    assert "current numbers are in BENCHMARKS.md" in HISTORY.read_text().splitlines()[2]
