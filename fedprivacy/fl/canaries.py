@@ -14,7 +14,10 @@ accounts their replies exactly like the users' (it cannot tell them apart), and 
 ClientApp changes.
 
 At the end (:meth:`RunCanaries.estimates`) each canary's score is the cosine between the run's model change
-:math:`x_T - x_0` and its direction:
+:math:`x_T - x_0` and its direction (an adversary who sees the final model only); and, for an adversary who sees
+every round, the largest cosine between a round's model change :math:`x_t - x_{t-1}` and its direction, kept as a
+running maximum over the rounds (:meth:`RunCanaries.observe`,
+:func:`~fedprivacy.privacy.canary_estimates.max_over_rounds`; in the checkpoint). Of each score:
 
 - Andrew et al. (arXiv:2302.03098, Alg. 1): the included canaries' cosines against those of the excluded ones
   and the unused directions (:func:`~fedprivacy.privacy.canary_estimates.one_shot_epsilon`);
@@ -37,7 +40,7 @@ from flwr.serverapp import Grid
 
 from fedprivacy.config import CanaryConfig
 from fedprivacy.fl.records import update_to_record
-from fedprivacy.privacy.canary_estimates import cosines, one_run_bound, one_shot_epsilon
+from fedprivacy.privacy.canary_estimates import cosines, max_over_rounds, one_run_bound, one_shot_epsilon
 from fedprivacy.privacy.noise import torch_seed
 from fedprivacy.updates import SparseUpdate
 
@@ -54,6 +57,8 @@ class RunCanaries:
     def __init__(self, cfg: CanaryConfig, users: int, dim: int) -> None:
         self.cfg, self.users, self.dim = cfg, users, dim
         self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
+        self.round_max: np.ndarray | None = None  # every direction's largest cosine with a round's change so far
+        self._last = torch.zeros(0)  # x_{t-1}, from :meth:`start`
 
     @property
     def count(self) -> int:
@@ -74,15 +79,32 @@ class RunCanaries:
         """Canary ``i``'s reply: its direction at ``CANARY_NORM * clip_norm`` if included, else zero."""
         return self.direction(i) * (CANARY_NORM * clip_norm) if self.included[i] else torch.zeros(self.dim)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed}
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "round_max": None if self.round_max is None else self.round_max.tolist()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the seed a run started with (its directions and inclusions); a configured seed must match it."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the seed a run started with (its directions and inclusions; a configured seed must match it) and
+        the every-round statistic so far (absent from a checkpoint written before it existed: the run's earlier
+        rounds would be missing from it, so it is refused)."""
         if self.cfg.seed is not None and state["seed"] != self.cfg.seed:
             raise ValueError(f"privacy.canaries.seed={self.cfg.seed} differs from the seed the run started with: its "
                              "canaries would change mid-run")
+        if "round_max" not in state:
+            raise ValueError("the checkpoint's canaries hold no every-round statistic (written by an older version): "
+                             "its rounds so far cannot be scored; rerun the run from the start")
         self.seed = state["seed"]
+        self.round_max = None if state["round_max"] is None else np.asarray(state["round_max"], dtype=np.float64)
+
+    def start(self, params: torch.Tensor) -> None:
+        """The run (re)starts from the released model ``params`` (``x_t``, flat): the next round's change is taken
+        from it."""
+        self._last = params.detach().clone()
+
+    def observe(self, params: torch.Tensor) -> None:
+        """Round ``t`` released ``params`` (``x_t``, flat): score its model change :math:`x_t - x_{t-1}` into the
+        every-round statistic."""
+        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))
+        self._last = params.detach().clone()
 
     def grid(self, grid: Grid) -> CanaryGrid:
         return CanaryGrid(grid, self)
@@ -95,16 +117,23 @@ class RunCanaries:
                                for a in range(0, total, 64)])
 
     def estimates(self, change: torch.Tensor, delta: float) -> dict[str, Any]:
-        """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``)."""
-        scores, inc = self.scores(change), self.included
+        """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``),
+        and both of the every-round statistic (``every_round``; None before any round)."""
+        inc = self.included
+        return {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta,
+                **self._estimates_of(self.scores(change), delta),
+                "every_round": None if self.round_max is None else self._estimates_of(self.round_max, delta)}
+
+    def _estimates_of(self, scores: np.ndarray, delta: float) -> dict[str, Any]:
+        """Andrew et al.'s and Steinke et al.'s estimates of one score per direction (canaries, then unused)."""
+        inc = self.included
         canary, unused = scores[:self.count], scores[self.count:]
         beta = 1 - self.cfg.confidence
         andrew = one_shot_epsilon(canary[inc], np.concatenate([canary[~inc], unused]), delta,
                                   confidence=self.cfg.confidence,
                                   rng=np.random.default_rng(np.random.SeedSequence([self.seed, BOOTSTRAP_STREAM])))
         steinke = one_run_bound(canary, inc, self.count // 4, self.count // 4, delta, beta)
-        return {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta,
-                "andrew": {"epsilon": andrew.epsilon, "interval": list(andrew.interval),
+        return {"andrew": {"epsilon": andrew.epsilon, "interval": list(andrew.interval),
                            "epsilon_separate_variances": andrew.epsilon_separate,
                            "interval_separate_variances": list(andrew.interval_separate),
                            "confidence": andrew.confidence, "inserted": andrew.inserted,

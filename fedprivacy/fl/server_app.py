@@ -312,8 +312,9 @@ class DPFedAvgServer:
             placement="secure aggregation (Skellam)" if p.secure_aggregation else p.placement))
         log.info("privacy: %s", self.privacy_claim())
         self._resume(checkpoint, grid)
-        if self.canaries:  # after the resume: the canaries' seed is the checkpoint's
+        if self.canaries:  # after the resume: the canaries' seed and statistic are the checkpoint's
             self.grid = grid = self.canaries.grid(grid)
+            self.canaries.start(self.params)
         self.strategy.use_population(discover_nodes(grid, self.population), labels=range(self.population))
         with open_tracker(self.outputs.dir, self.cfg.tracking, json.loads(self.cfg.to_json()),
                           self.cfg.privacy.placement, resume=checkpoint is not None) as self.tracker:
@@ -372,6 +373,8 @@ class DPFedAvgServer:
         side_info_bytes = sum(self.side_info.bytes_for(node) for node in s.cohort) if self.side_info else 0
         _, metrics = s.aggregate_train(k, grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s))
         assert metrics is not None
+        if self.canaries:  # the every-round statistic, before the round's checkpoint
+            self.canaries.observe(self.params)
         row = self._metrics_row(metrics)
         if self.side_info:
             row["side_information_bytes"] = float(side_info_bytes)
