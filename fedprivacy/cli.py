@@ -307,6 +307,10 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("fedprivacy: interrupted; the deployment was shut down", file=sys.stderr)
         return 130
+    if summary.get("empirical_epsilon"):  # privacy.canaries: its estimates beside the accountant's epsilon
+        from fedprivacy.experiments.canary_report import estimates_line
+
+        print(estimates_line(summary["empirical_epsilon"]), file=sys.stderr)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

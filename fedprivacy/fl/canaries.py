@@ -39,6 +39,7 @@ from flwr.app import Error, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from fedprivacy.config import CanaryConfig
+from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.records import update_to_record
 from fedprivacy.privacy.canary_estimates import cosines, max_over_rounds, one_run_bound, one_shot_epsilon
 from fedprivacy.privacy.noise import torch_seed
@@ -48,6 +49,8 @@ DIRECTION_STREAM = 0x64697263  # "dirc": canary i's direction, per canary seed
 INCLUSION_STREAM = 0x696E636C  # "incl": which canaries are included
 BOOTSTRAP_STREAM = 0x626F6F74  # "boot": the one-shot estimate's bootstrap
 CANARY_NORM = 2.0  # an included canary's norm, in units of the round's clip norm: always clipped to exactly C_t
+DIRECTION_CACHE_BYTES = 1 << 26  # every direction kept in memory (float32) up to 64 MiB: 140 at 100,050 parameters
+SCORE_CHUNK = 1 << 22  # directions' values scored at once (64 directions at most): 32 MiB as float64
 NOT_A_TRAIN_MESSAGE = 1  # error code of a canary's reply to anything but ``train``
 
 
@@ -59,6 +62,7 @@ class RunCanaries:
         self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
         self.round_max: np.ndarray | None = None  # every direction's largest cosine with a round's change so far
         self._last = torch.zeros(0)  # x_{t-1}, from :meth:`start`
+        self._directions: torch.Tensor | None = None  # (count + unused) x dim, when they fit DIRECTION_CACHE_BYTES
 
     @property
     def count(self) -> int:
@@ -110,11 +114,17 @@ class RunCanaries:
         return CanaryGrid(grid, self)
 
     def scores(self, change: torch.Tensor) -> np.ndarray:
-        """Cosines of ``change`` with every direction (canaries, then unused), 64 at a time."""
-        total = self.count + self.cfg.unused
+        """Cosines of ``change`` with every direction (canaries, then unused): from the directions kept in memory when
+        they fit :data:`DIRECTION_CACHE_BYTES` (the every-round score asks each round), else regenerated
+        :data:`SCORE_CHUNK` values at a time."""
+        total, step = self.count + self.cfg.unused, max(1, min(64, SCORE_CHUNK // self.dim))
         flat = change.detach().to("cpu", torch.float32)
-        return np.concatenate([cosines(flat, torch.stack([self.direction(i) for i in range(a, min(a + 64, total))]))
-                               for a in range(0, total, 64)])
+        if self._directions is None and total * self.dim * 4 <= DIRECTION_CACHE_BYTES:
+            self._directions = torch.stack([self.direction(i) for i in range(total)])
+        if self._directions is not None:
+            return cosines(flat, self._directions)
+        return np.concatenate([cosines(flat, torch.stack([self.direction(i) for i in range(a, min(a + step, total))]))
+                               for a in range(0, total, step)])
 
     def estimates(self, change: torch.Tensor, delta: float) -> dict[str, Any]:
         """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``),
@@ -143,16 +153,36 @@ class RunCanaries:
                             "guesses": steinke.guesses, "correct": steinke.correct}}
 
 
+MAX_NODE_ID = (1 << 64) - 1  # Flower's node ids are unsigned 64-bit
+
+
+def canary_node_ids(users: Iterable[int], count: int) -> list[int]:
+    """``count`` node ids that no user has: the ones after the largest user's, or where those would pass
+    :data:`MAX_NODE_ID` (a real SuperNode's id is a random 64-bit number), the smallest positive free ones."""
+    taken = set(users)
+    base = max(taken, default=0) + 1
+    if base + count - 1 <= MAX_NODE_ID:
+        return list(range(base, base + count))
+    ids: list[int] = []
+    candidate = 1
+    while len(ids) < count:
+        if candidate not in taken:
+            ids.append(candidate)
+        candidate += 1
+    return ids
+
+
 class CanaryGrid(Grid):
     """The run's ``grid`` with the canaries' nodes added after its own (module docstring); everything else, e.g.
-    the nodes' states, is the wrapped grid's."""
+    the nodes' states, is the wrapped grid's. The users' nodes are the grid's partitions in order: an in-process
+    grid names them, real SuperNodes report them (:func:`~fedprivacy.fl.population.discover_nodes`)."""
 
     def __init__(self, grid: Grid, canaries: RunCanaries) -> None:
         self.inner, self.canaries = grid, canaries
-        users = list(grid.partition_nodes())
-        base = max(users, default=1) + 1
-        self._nodes = users + [base + i for i in range(canaries.count)]
-        self._canary_of = {base + i: i for i in range(canaries.count)}
+        users = discover_nodes(grid, canaries.users)
+        ids = canary_node_ids(users, canaries.count)
+        self._nodes = users + ids
+        self._canary_of = {node: i for i, node in enumerate(ids)}
         self._replies: dict[str, Message] = {}
 
     def __getattr__(self, name: str) -> Any:  # node_state_dict, load_node_state_dict, close, ...
