@@ -107,7 +107,7 @@ MUTATIONS = [
  ("fedprivacy/privacy/canary_estimates.py", "    return np.maximum(running, cos)", "    return cos", "tests/privacy/test_canary_every_round.py -k maximum_over_rounds"),
  ("fedprivacy/fl/canaries.py", "\"round_max\": None if self.round_max is None else self.round_max.tolist()}", "\"round_max\": None}", "tests/engine/test_canary_reports.py -k bit_exactly"),
  ("fedprivacy/fl/canaries.py", "    if base + count - 1 <= MAX_NODE_ID:", "    if True:", "tests/engine/test_canary_reports.py -k node_ids"),
- ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k too_little_noise"),
+ ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k each_rounds_model_change"),
  # a stop between rounds checkpoints every release made
  ("fedprivacy/fl/server_app.py", "            if stop_requested() and self.strategy.round < self.cfg.rounds:", "            if False:", "tests/engine/test_graceful_stop.py -k bit_identically"),
  ("fedprivacy/fl/server_app.py", "                self.outputs.save_checkpoint(self.state_dict())\n                raise RunStopped", "                raise RunStopped", "tests/engine/test_graceful_stop.py -k bit_identically"),

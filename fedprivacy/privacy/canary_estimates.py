@@ -26,13 +26,14 @@ the separate-variances one is reported beside it, but at small delta it is biase
 sampling error alone (200 canaries each, std ratio 1.05: epsilon 5.39 instead of 4.38 at delta 1e-5). Both are
 point estimates (not bounds), each with a percentile-bootstrap interval over canaries (both sets resampled).
 
-**Every round observed** (Andrew et al., arXiv:2302.03098, Sec. 4, the "all iterates" threat model): an adversary
-who sees every released model :math:`x_0, x_1, \dots, x_T` scores canary ``i`` by the largest cosine between a
-round's model change and its direction, :math:`s_i = \max_t \cos(x_t - x_{t-1}, c_i)` (:func:`max_over_rounds`,
-kept as a running maximum: O(k) memory for ``k`` directions, not O(T d)); the same two estimates are then taken
-of these scores, the null fitted on the unobserved canaries' maxima (a maximum of T cosines is not Gaussian; the
-fit is the paper's approximation). It covers the threat model the accountant's epsilon is stated for, so it is
-the estimate to hold against that claim.
+**Every round observed** (Andrew et al., arXiv:2302.03098, the threat model in which all model iterates are
+observed): an adversary who sees every released model :math:`x_0, x_1, \dots, x_T` scores canary ``i`` by the
+largest cosine between a round's model change and its direction, :math:`s_i = \max_t \cos(x_t - x_{t-1}, c_i)`
+(:func:`max_over_rounds`, kept as a running maximum: O(k) memory for ``k`` directions, not O(T d)). Both estimates
+are then taken of these scores, Alg. 1's Gaussian fit applied to the maxima with the null fitted on the unobserved
+canaries' maxima (a maximum of T cosines is not Gaussian: an approximation, checked by simulating the Gaussian
+mechanism in tests/privacy/test_canary_every_round.py). It is the adversary the accountant's epsilon is stated for,
+so it is the estimate to hold against that claim.
 
 **One-run lower bound** (Steinke, Nasr, Jagielski, "Privacy Auditing with One (1) Training Run",
 arXiv:2305.08846, NeurIPS 2023). ``m`` canaries are each included independently with probability 1/2; the

@@ -3,6 +3,8 @@ statistic in summary.json (and in the checkpoint), the line at the end of `fedpr
 run folder and of a study, and the docs table generated from a run's stored summary."""
 
 import io
+
+import numpy as np
 import pytest
 import torch
 from flwr.serverapp import ServerApp
@@ -12,11 +14,12 @@ from rich.console import Console
 
 from fedprivacy.audit import BROKEN_VARIANTS
 from fedprivacy.cli import main
+from fedprivacy.config import CanaryConfig
 from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.experiments.canary_report import RunSummaryError, estimates_line, load_run_summary
 from fedprivacy.experiments.docs import render_docs, stale_tables
 from fedprivacy.experiments.progress import RunProgress
-from fedprivacy.fl.canaries import MAX_NODE_ID, canary_node_ids
+from fedprivacy.fl.canaries import MAX_NODE_ID, RunCanaries, canary_node_ids
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import DPFedAvgServer
 from fedprivacy.run import run
@@ -111,3 +114,19 @@ def test_canary_node_ids_are_new_and_valid_whatever_the_users_ids(users, count):
 
 def test_canary_node_ids_next_to_the_largest_id():
     assert canary_node_ids([MAX_NODE_ID - 1, 1, 3], 3) == [2, 4, 5]
+
+
+def test_the_every_round_statistic_scores_each_rounds_model_change():
+    c = RunCanaries(CanaryConfig(count=8, unused=4, seed=2), users=5, dim=50)
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(50, generator=g) for _ in range(4)]
+    c.start(x[0])
+    for t in (1, 2, 3):
+        c.observe(x[t])
+    expected = np.max(np.stack([c.scores(x[t] - x[t - 1]) for t in (1, 2, 3)]), axis=0)
+    assert np.array_equal(c.round_max, expected)
+    again = RunCanaries(CanaryConfig(count=8, unused=4, seed=2), users=5, dim=50)
+    again.load_state_dict(c.state_dict())
+    assert np.array_equal(again.round_max, c.round_max)
+    with pytest.raises(ValueError, match="hold no every-round statistic"):
+        again.load_state_dict({"seed": 2})
