@@ -100,15 +100,18 @@ def _log_prob(region: tuple[str, float, float], mean: float, std: float) -> floa
 def _delta_one_way(eps: float, p: tuple[float, float], q: tuple[float, float]) -> float:
     r""":math:`\delta_{P\|Q}(\varepsilon) = P(L > \varepsilon) - e^\varepsilon Q(L > \varepsilon)` for two Gaussians
     ``(mean, std)`` of unequal stds: :math:`L(x) = a x^2 + b x + c` (module docstring)."""
-    (m1, s1), (m0, s0) = p, q
+    (m1, s1), (m0, s0) = (float(v) for v in p), (float(v) for v in q)
     a = 1 / (2 * s0**2) - 1 / (2 * s1**2)
     b = m1 / s1**2 - m0 / s0**2
     c = math.log(s0 / s1) - m1**2 / (2 * s1**2) + m0**2 / (2 * s0**2) - eps
     disc = b * b - 4 * a * c
-    if disc <= 0:
+    if a == 0:  # stds equal up to rounding: L is linear, {L > eps} a half-line
+        region = ("outside", -math.inf, -c / b) if b > 0 else ("outside", -c / b, math.inf)
+    elif disc <= 0:
         region = ("all", 0.0, 0.0) if a > 0 else ("none", 0.0, 0.0)
-    else:
-        r1, r2 = sorted(((-b - math.sqrt(disc)) / (2 * a), (-b + math.sqrt(disc)) / (2 * a)))
+    else:  # the roots without cancellation (nearly equal stds make a tiny): q / a and c / q
+        q = -0.5 * (b + math.copysign(math.sqrt(disc), b))
+        r1, r2 = sorted((q / a, c / q))
         region = ("outside" if a > 0 else "inside", r1, r2)
     return math.exp(_log_prob(region, m1, s1)) - math.exp(eps + _log_prob(region, m0, s0))
 

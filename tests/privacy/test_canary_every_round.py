@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from fedprivacy.privacy.accounting import epsilon_for
-from fedprivacy.privacy.canary_estimates import cosines, max_over_rounds, one_shot_epsilon
+from fedprivacy.privacy.canary_estimates import cosines, gaussian_pair_epsilon, max_over_rounds, one_shot_epsilon
 
 DIM, CANARIES, UNUSED, ROUNDS, RATE, DELTA = 2000, 200, 200, 10, 0.5, 1e-5
 
@@ -65,3 +65,14 @@ def test_the_running_statistic_is_the_maximum_over_rounds(rounds):
 def test_a_round_of_another_length_is_refused():
     with pytest.raises(ValueError, match=r"round_cosines has shape \(3,\), the running statistic \(4,\)"):
         max_over_rounds(np.zeros(4), np.zeros(3))
+
+
+@pytest.mark.parametrize("mean, null_mean, std", [(0.01, 0.0, 0.0035), (-0.0368, 0.00128, 0.000182213151989512),
+                                                  (0.000495, -0.01695, 0.000151865342792733)])
+@pytest.mark.parametrize("ratio", [1 + 1e-16, 1 - 1e-15, 1 + 1e-12])
+def test_stds_equal_up_to_rounding_read_as_equal_ones(mean, null_mean, std, ratio):
+    """A bootstrap fit can give two stds a rounding error apart (the quadratic's leading coefficient 0 or tiny):
+    the epsilon is the equal-std one (continuity), in either direction, not a crash or garbage."""
+    equal = gaussian_pair_epsilon(mean, std, null_mean, std, DELTA)
+    assert gaussian_pair_epsilon(mean, std * ratio, null_mean, std, DELTA) == pytest.approx(equal, rel=1e-3)
+    assert gaussian_pair_epsilon(null_mean, std, mean, std * ratio, DELTA) == pytest.approx(equal, rel=1e-3)
