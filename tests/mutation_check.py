@@ -106,7 +106,7 @@ MUTATIONS = [
  # canaries: the every-round statistic is a running maximum kept in the checkpoint; canary node ids never collide
  ("fedprivacy/privacy/canary_estimates.py", "    return np.maximum(running, cos)", "    return cos", "tests/privacy/test_canary_every_round.py -k maximum_over_rounds"),
  ("fedprivacy/fl/canaries.py", "\"round_max\": None if self.round_max is None else self.round_max.tolist()}", "\"round_max\": None}", "tests/engine/test_canary_reports.py -k bit_exactly"),
- ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # stds equal up to rounding", "    if False:  # stds equal up to rounding", "tests/privacy/test_canary_every_round.py -k equal_up_to_rounding"),
+ ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # stds equal up to rounding", "    if False:  # stds equal up to rounding", "tests/privacy/test_canary_every_round.py -k round_alike"),
  ("fedprivacy/fl/canaries.py", "    if base + count - 1 <= MAX_NODE_ID:", "    if True:", "tests/engine/test_canary_reports.py -k node_ids"),
  ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k each_rounds_model_change"),
  # a stop between rounds checkpoints every release made

@@ -76,3 +76,13 @@ def test_stds_equal_up_to_rounding_read_as_equal_ones(mean, null_mean, std, rati
     equal = gaussian_pair_epsilon(mean, std, null_mean, std, DELTA)
     assert gaussian_pair_epsilon(mean, std * ratio, null_mean, std, DELTA) == pytest.approx(equal, rel=1e-3)
     assert gaussian_pair_epsilon(null_mean, std, mean, std * ratio, DELTA) == pytest.approx(equal, rel=1e-3)
+
+
+def test_stds_whose_squares_round_alike_read_as_equal_ones():
+    """Two stds one float apart whose ``1 / (2 s^2)`` round to one value: the log-likelihood ratio is linear."""
+    std = 0.00022454905991317237
+    other = float(np.nextafter(std, 1))
+    assert other != std and 1 / (2 * std**2) == 1 / (2 * other**2)
+    equal = gaussian_pair_epsilon(0.001, std, 0.0, std, DELTA)
+    assert gaussian_pair_epsilon(0.001, other, 0.0, std, DELTA) == pytest.approx(equal, rel=1e-6)
+    assert gaussian_pair_epsilon(0.0, std, 0.001, other, DELTA) == pytest.approx(equal, rel=1e-6)
