@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(holds summary.json; a run with privacy.canaries)")
     p.add_argument("--summary", metavar="JSON", help="also write the study's stored summary (one record per "
                                                      "finished run), e.g. docs/results/<study>.json; for a run's "
-                                                     "folder its canary estimates, e.g. docs/results/canaries_<name>.json")
+                                                     "folder its canary estimates, e.g. "
+                                                     "docs/results/canaries_<name>.json")
     p.add_argument("--docs", nargs="+", metavar="FILE", help="instead: regenerate the tables marked "
                    "<!-- table:NAME --> ... <!-- /table:NAME --> in these Markdown files from --results/NAME.json")
     p.add_argument("--results", default="docs/results", help="folder of the stored summaries (default: docs/results)")

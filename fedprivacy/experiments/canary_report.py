@@ -79,7 +79,8 @@ def read_run_summary(run_dir: str | Path) -> dict[str, Any]:
 def export_run_summary(run_dir: str | Path, path: str | Path) -> Path:
     """Store the run's canary estimates and setting as JSON at ``path`` (a docs table's source); returns it."""
     summary = read_run_summary(run_dir)
-    payload = {"version": RUN_SUMMARY_VERSION, "rounds_completed": summary["rounds_completed"], "population": summary["population"],
+    payload = {"version": RUN_SUMMARY_VERSION, "rounds_completed": summary["rounds_completed"],
+               "population": summary["population"],
                "noise_multiplier": summary["noise_multiplier"], "empirical_epsilon": summary["empirical_epsilon"]}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,5 +120,6 @@ def render_canary_table(name: str, data: Mapping[str, Any]) -> str:
             f"| accountant ({e['accountant']}) |", "|---|---|---|---|"]
     foot = (f"{data['rounds_completed']} rounds, population {data['population']} "
             f"({e['canaries']} canaries, {e['included']} included, {e['unused']} unused directions), noise multiplier "
-            f"{data['noise_multiplier']:.4g}, delta {e['delta']:g}. Generated from `docs/results/{name}.json` by `fedprivacy report --docs`; do not edit.")
+            f"{data['noise_multiplier']:.4g}, delta {e['delta']:g}. Generated from `docs/results/{name}.json` by "
+            "`fedprivacy report --docs`; do not edit.")
     return "\n".join([*head, *rows]) + "\n\n" + foot + "\n"

@@ -45,8 +45,8 @@ SUMMARY_VERSION = 1
 RUN_FIELDS = ("method", "budget", "budget_epsilon", "hparams", "seed", "rounds_completed", "noise_multiplier",
               "majority_baseline", "selection_score", *(f"epsilon_{k}" for k in ACCOUNTANTS))
 """Per-run fields of a stored summary (besides the final/best metric and the extra columns)."""
-MARKER = re.compile(r"<!-- table:(?P<name>[\w.-]+?)(?::(?P<kind>grid|verdict|canaries))? -->\n(?P<body>.*?)<!-- /table:(?P=name)"
-                    r"(?::(?P=kind))? -->", re.S)
+MARKER = re.compile(r"<!-- table:(?P<name>[\w.-]+?)(?::(?P<kind>grid|verdict|canaries))? -->\n(?P<body>.*?)"
+                    r"<!-- /table:(?P=name)(?::(?P=kind))? -->", re.S)
 
 
 class DocsTableError(ValueError):

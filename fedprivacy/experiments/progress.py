@@ -154,7 +154,6 @@ class RunProgress:
             print(f"round {round_}/{self.rounds} | elapsed {_clock_time(elapsed)} | ETA {_clock_time(eta)} | {status}",
                   file=self.console.file, flush=True)
 
-
     def run_done(self, summary: Mapping[str, Any]) -> None:
         """The run ended with ``summary``: print its canary estimates beside the accountant's epsilon (runs with
         ``privacy.canaries``; :func:`~fedprivacy.experiments.canary_report.estimates_line`), unless ``off``."""
