@@ -72,6 +72,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         prepare_data(cfg, args.resume)  # its progress bars, before the run's own display
         with RunProgress(cfg.rounds, cfg.privacy.budget_accountant, mode="off" if args.quiet else None) as progress:
             summary = run(cfg, resume=args.resume, on_round=progress.round_done)
+            progress.run_done(summary)
     except KeyboardInterrupt:
         if (Path(cfg.output_dir) / CHECKPOINT).is_file():
             command = ["fedprivacy", "run", *([args.config] if args.config else []),
@@ -117,6 +118,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if (args.run_dir is None) == (not args.docs):
         print("fedprivacy: error: report takes a study folder or --docs FILE..., not both", file=sys.stderr)
         return EXIT_USAGE
+    if args.run_dir is not None and (Path(args.run_dir) / "summary.json").is_file():  # one run's folder
+        from fedprivacy.experiments.canary_report import estimates_line, export_run_summary, read_run_summary
+
+        print(estimates_line(read_run_summary(args.run_dir)["empirical_epsilon"]))
+        if args.summary:
+            print(f"summary: {export_run_summary(args.run_dir, args.summary)}")
+        return 0
     if args.run_dir is not None:
         print(f"report: {write_report(args.run_dir)}")
         if args.summary:
@@ -299,6 +307,10 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("fedprivacy: interrupted; the deployment was shut down", file=sys.stderr)
         return 130
+    if summary.get("empirical_epsilon"):  # privacy.canaries: its estimates beside the accountant's epsilon
+        from fedprivacy.experiments.canary_report import estimates_line
+
+        print(estimates_line(summary["empirical_epsilon"]), file=sys.stderr)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -396,10 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
     _allow_plugins(p)
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs")
-    p.add_argument("run_dir", nargs="?", help="the study's output folder (holds study.json)")
+    p = sub.add_parser("report", help="regenerate a study's tables, figures and report.md from its stored runs, "
+                                      "or print one run's canary estimates")
+    p.add_argument("run_dir", nargs="?", help="the study's output folder (holds study.json), or one run's folder "
+                                              "(holds summary.json; a run with privacy.canaries)")
     p.add_argument("--summary", metavar="JSON", help="also write the study's stored summary (one record per "
-                                                     "finished run), e.g. docs/results/<study>.json")
+                                                     "finished run), e.g. docs/results/<study>.json; for a run's "
+                                                     "folder its canary estimates, e.g. "
+                                                     "docs/results/canaries_<name>.json")
     p.add_argument("--docs", nargs="+", metavar="FILE", help="instead: regenerate the tables marked "
                    "<!-- table:NAME --> ... <!-- /table:NAME --> in these Markdown files from --results/NAME.json")
     p.add_argument("--results", default="docs/results", help="folder of the stored summaries (default: docs/results)")

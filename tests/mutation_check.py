@@ -104,6 +104,12 @@ MUTATIONS = [
  # the round audit judges the run by what its ledger reports
  ("fedprivacy/audit.py", "    claimed = min(reported, of_release)", "    claimed = of_release", "tests/privacy/test_audit.py -k judges_a_stream"),
  ("fedprivacy/audit.py", "        return GaussianRound(noise_multiplier, \"none\", self.population, float(self.population))", "        return GaussianRound(noise_multiplier, \"poisson\", self.population, 1.0)", "tests/privacy/test_audit.py -k judges_a_stream"),
+ # canaries: the every-round statistic is a running maximum kept in the checkpoint; canary node ids never collide
+ ("fedprivacy/privacy/canary_estimates.py", "    return np.maximum(running, cos)", "    return cos", "tests/privacy/test_canary_every_round.py -k maximum_over_rounds"),
+ ("fedprivacy/fl/canaries.py", "\"round_max\": None if self.round_max is None else self.round_max.tolist()}", "\"round_max\": None}", "tests/engine/test_canary_reports.py -k bit_exactly"),
+ ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # stds equal up to rounding", "    if False:  # stds equal up to rounding", "tests/privacy/test_canary_every_round.py -k round_alike"),
+ ("fedprivacy/fl/canaries.py", "    if base + count - 1 <= MAX_NODE_ID:", "    if True:", "tests/engine/test_canary_reports.py -k node_ids"),
+ ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k each_rounds_model_change"),
  # a stop between rounds checkpoints every release made
  ("fedprivacy/fl/strategy.py", "                if self.round < num_rounds and any(hook.stop_requested() for hook in self.hooks):", "                if False:", "tests/engine/test_graceful_stop.py -k bit_identically"),
  ("fedprivacy/fl/strategy.py", "                    self.checkpoint()\n                    raise RunStopped", "                    raise RunStopped", "tests/engine/test_graceful_stop.py -k bit_identically"),

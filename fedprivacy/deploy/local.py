@@ -593,6 +593,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     """
     from fedprivacy.fl.noise_floor import floor_node_config
     from fedprivacy.outputs import CHECKPOINT, RunExistsError
+    from fedprivacy.fl.canaries import population_with_canaries
     from fedprivacy.stackoverflow_tasks import ensure_data, load_task
 
     ensure_data(cfg.data)
@@ -604,6 +605,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
         raise RunExistsError(f"{out} already holds a run ({CHECKPOINT}); pass --resume to continue it "
                              "or choose another output_dir")
     n = population if supernodes is None else supernodes
+    nodes = population_with_canaries(run_cfg, n)  # one SuperNode per user, then one per canary (the last partitions)
     workdir = out / "deployment"
     workdir.mkdir(parents=True, exist_ok=True)
     config_yaml = workdir / "config.yaml"
@@ -612,7 +614,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     metrics_path = out / "metrics.csv"
     seen = len(_read_rows(metrics_path)) if resume else 0
     started = time.time()
-    deployment = LocalDeployment(workdir, n, secure=secure, extra_node_config=floor)
+    deployment = LocalDeployment(workdir, nodes, secure=secure, extra_node_config=floor)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         def _interrupt(signum: int, frame: object) -> None:
@@ -627,7 +629,8 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
             app = deployment.write_app(config_yaml, resume=resume, allow_plugins=bool(plugins(run_cfg)))
             run = deployment.submit(app, echo=echo)
             printer(f"deployment: SuperLink {deployment.address} ({'TLS + SuperNode auth' if secure else 'insecure'}), "
-                    f"{n} SuperNodes; run folder {out}; logs {deployment.logs}")
+                    f"{nodes} SuperNodes{f' ({nodes - n} of them canaries)' if nodes > n else ''}; run folder {out}; "
+                    f"logs {deployment.logs}")
             while run.running():
                 if not deployment.superlink.running():
                     raise DeploymentError("the SuperLink exited:\n" + deployment.tail(deployment.superlink.log_path))
@@ -668,7 +671,7 @@ def deploy_local(cfg: RunConfig, supernodes: int | None = None, *, secure: bool 
     summary = json.loads(summary_path.read_text())
     summary["engine"] = "deployment"  # the config's engine field names the simulation engines only
     summary["deployment"] = {
-        "supernodes": n, "secure": secure, "node_ids": deployment.node_ids,
+        "supernodes": nodes, "secure": secure, "node_ids": deployment.node_ids,
         "seconds": time.time() - started, "workdir": str(workdir),
         "resources": report.get("all_clients", {}),
     }

@@ -15,6 +15,8 @@ A Markdown file marks where each table goes:
     <!-- /table:NAME:grid -->
     <!-- table:NAME:verdict -->  per budget: which method is best, by how much, and whether that exceeds the seeds' spread
     <!-- /table:NAME:verdict -->
+    <!-- table:NAME:canaries --> one run's canary estimates (NAME.json: a run's stored summary,
+    <!-- /table:NAME:canaries --> fedprivacy.experiments.canary_report)
 
 :func:`render_docs` regenerates every marked block from the summaries (``fedprivacy report --docs
 FILE...``), and ``fedprivacy report --docs FILE... --check`` (and the test suite) fails when a file
@@ -34,6 +36,7 @@ from typing import Any
 
 import pandas as pd
 
+from fedprivacy.experiments.canary_report import load_run_summary, render_canary_table
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, _grid, _summary
 from fedprivacy.config import ConfigError
 from fedprivacy.experiments.study import StudyConfig, column_title, expand_grid, hparams_label
@@ -42,8 +45,8 @@ SUMMARY_VERSION = 1
 RUN_FIELDS = ("method", "budget", "budget_epsilon", "hparams", "seed", "rounds_completed", "noise_multiplier",
               "majority_baseline", "selection_score", *(f"epsilon_{k}" for k in ACCOUNTANTS))
 """Per-run fields of a stored summary (besides the final/best metric and the extra columns)."""
-MARKER = re.compile(r"<!-- table:(?P<name>[\w.-]+?)(?::(?P<kind>grid|verdict))? -->\n(?P<body>.*?)<!-- /table:(?P=name)"
-                    r"(?::(?P=kind))? -->", re.S)
+MARKER = re.compile(r"<!-- table:(?P<name>[\w.-]+?)(?::(?P<kind>grid|verdict|canaries))? -->\n(?P<body>.*?)"
+                    r"<!-- /table:(?P=name)(?::(?P=kind))? -->", re.S)
 
 
 class DocsTableError(ValueError):
@@ -213,8 +216,11 @@ def render_docs(text: str, results_dir: str | Path) -> str:
         path = results_dir / f"{name}.json"
         if not path.exists():
             raise DocsTableError(f"table {name!r}: no stored summary {path}")
-        s = load_summary(path)
-        body = {"grid": render_grid_table, "verdict": render_verdict_table}.get(kind, render_summary_table)(s)
+        if kind == "canaries":
+            body = render_canary_table(name, load_run_summary(path))
+        else:
+            s = load_summary(path)
+            body = {"grid": render_grid_table, "verdict": render_verdict_table}.get(kind, render_summary_table)(s)
         tag = name + (f":{kind}" if kind else "")
         return f"<!-- table:{tag} -->\n{body}<!-- /table:{tag} -->"
 

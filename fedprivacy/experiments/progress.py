@@ -154,6 +154,19 @@ class RunProgress:
             print(f"round {round_}/{self.rounds} | elapsed {_clock_time(elapsed)} | ETA {_clock_time(eta)} | {status}",
                   file=self.console.file, flush=True)
 
+    def run_done(self, summary: Mapping[str, Any]) -> None:
+        """The run ended with ``summary``: print its canary estimates beside the accountant's epsilon (runs with
+        ``privacy.canaries``; :func:`~fedprivacy.experiments.canary_report.estimates_line`), unless ``off``."""
+        if self.mode == "off" or not summary.get("empirical_epsilon"):
+            return
+        from fedprivacy.experiments.canary_report import estimates_line
+
+        line = estimates_line(summary["empirical_epsilon"])
+        if self.mode == "live":
+            self.progress.console.print(line, highlight=False, markup=False)
+        else:
+            print(line, file=self.console.file, flush=True)
+
 
 def _clock_time(seconds: float) -> str:
     """``H:MM:SS`` (rounded to the second)."""

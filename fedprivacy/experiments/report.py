@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from fedprivacy.experiments.canary_report import SCORES
 from fedprivacy.experiments.figures import budget_accountant, selected_epsilon_curves, write_figures
 from fedprivacy.experiments.results import ACCOUNTANTS, StudyResults, load_results, write_tables
 from fedprivacy.experiments.study import column_title, flat, nested
@@ -105,6 +106,21 @@ def _privacy_lines(results: StudyResults) -> list[str]:
             lines.append(f"- **{budget}**: the methods' epsilons differ (they ran different noise multipliers or "
                          "numbers of rounds); compare them at their own epsilon in the table above.")
     return lines
+
+
+def _canary_lines(results: StudyResults) -> list[str]:
+    """Each run's canary estimates beside its budget accountant's epsilon, when any run has canaries."""
+    runs = results.runs[results.runs["finished"]]
+    if not len(runs) or runs["canary_andrew_final"].isna().all():
+        return []
+    acct = budget_accountant(results)
+    table = pd.DataFrame({
+        "run": runs["run_id"], f"epsilon ({acct})": runs[f"epsilon_{acct}"],
+        **{f"{kind} ({words})": runs[f"canary_{key}_{score}"] for score, words in SCORES.items()
+           for key, kind in (("andrew", "Andrew et al."), ("steinke", "Steinke et al. >="))}})
+    return ["Empirical epsilon of the runs with canary clients (`privacy.canaries`, docs/audit.md): Andrew et al.'s "
+            "estimate (arXiv:2302.03098) and Steinke et al.'s lower bound (arXiv:2305.08846) of an adversary who sees "
+            "the final model, and of one who sees every round, at each run's delta:", "", markdown_table(table), ""]
 
 
 def _selection_lines(results: StudyResults) -> list[str]:
@@ -204,6 +220,7 @@ def render(results: StudyResults, figures: dict[str, list[Path]]) -> str:
             "`results/rounds.csv` (one row per run and round; `.parquet` beside each), `results/epsilon.csv` (epsilon "
             "per round under every accountant, from the selected runs' ledgers).", "",
             "## Selection", "", *_selection_lines(results), "", "## Privacy", "", *_privacy_lines(results), "",
+            *_canary_lines(results),
             "## Figures", ""]
     for name, paths in figures.items():
         png = next(p for p in paths if p.suffix == ".png")

@@ -3,7 +3,8 @@
 - ``rounds``: the tidy table, one row per run and round: the run's identity (run_id, method,
   budget, seed, grid point as ``hp.<field>`` columns) and every ``metrics.csv`` column.
 - ``runs``: one row per run: final and best headline metric, the selection score, epsilon under
-  every accountant, noise multiplier, wall time.
+  every accountant, noise multiplier, wall time, and the canary estimates of runs with ``privacy.canaries``
+  (``canary_*``, :func:`~fedprivacy.experiments.canary_report.estimate_columns`; NaN without).
 - ``grid``: one row per method x budget x grid point: mean and std over seeds, and which point
   the selection rule picked (on the runs' logged metric, or with ``selection.split: heldout`` on
   each final model's metric over the held-out users, :mod:`fedprivacy.experiments.heldout`).
@@ -29,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from fedprivacy.config import build_config
+from fedprivacy.experiments.canary_report import estimate_columns
 from fedprivacy.experiments.heldout import heldout_metrics
 from fedprivacy.experiments.study import (TASK_METRICS, StudyConfig, better, build_study, hparams_label,
                                           selection_rule, study_metric)
@@ -206,6 +208,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
             else:  # no checkpoint: the per-round columns the run tracked
                 eps = {k: float(summary.get(f"epsilon_{k}", math.nan)) for k in ACCOUNTANTS}
         row.update({f"epsilon_{k}": v for k, v in eps.items()})
+        row.update(estimate_columns(summary))
         row["train_seconds"] = float(metrics["seconds"].sum()) if "seconds" in metrics else math.nan
         row["wall_seconds"] = _wall_seconds(folder)
         rows.append(row)

@@ -21,7 +21,10 @@ deployment's, so the canaries are held against the epsilon of the noise actually
 (:func:`claim_of_the_added_noise`).
 
 At the end (:meth:`RunCanaries.estimates`) each canary's score is the cosine between the run's model change
-:math:`x_T - x_0` and its direction:
+:math:`x_T - x_0` and its direction (an adversary who sees the final model only); and, for an adversary who sees
+every round, the largest cosine between a round's model change :math:`x_t - x_{t-1}` and its direction, kept as a
+running maximum over the rounds (:meth:`RunCanaries.observe`,
+:func:`~fedprivacy.privacy.canary_estimates.max_over_rounds`; in the checkpoint). Of each score:
 
 - Andrew et al. (arXiv:2302.03098, Alg. 1): the included canaries' cosines against those of the excluded ones
   and the unused directions (:func:`~fedprivacy.privacy.canary_estimates.one_shot_epsilon`);
@@ -43,10 +46,11 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid
 
 from fedprivacy.config import CanaryConfig, RunConfig
+from fedprivacy.fl.population import discover_nodes
 from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, vector_to_arrays
 from fedprivacy.client.trainer import LocalResult
 from fedprivacy.privacy.accounting import AccountantKind, PrivacyLedger, epsilon
-from fedprivacy.privacy.canary_estimates import cosines, one_run_bound, one_shot_epsilon
+from fedprivacy.privacy.canary_estimates import cosines, max_over_rounds, one_run_bound, one_shot_epsilon
 from fedprivacy.privacy.noise import torch_seed
 from fedprivacy.updates import SparseUpdate
 
@@ -57,6 +61,8 @@ DIRECTION_STREAM = 0x64697263  # "dirc": canary i's direction, per canary seed
 INCLUSION_STREAM = 0x696E636C  # "incl": which canaries are included
 BOOTSTRAP_STREAM = 0x626F6F74  # "boot": the one-shot estimate's bootstrap
 CANARY_NORM = 2.0  # an included canary's norm, in units of the round's clip norm: always clipped to exactly C_t
+DIRECTION_CACHE_BYTES = 1 << 26  # every direction kept in memory (float32) up to 64 MiB: 140 at 100,050 parameters
+SCORE_CHUNK = 1 << 22  # directions' values scored at once (64 directions at most): 32 MiB as float64
 CANARY_RECORD = "fedprivacy-canary"
 """The ``ConfigRecord`` in each message to a canary's node: ``seed`` (the canary seed), ``index``, ``included``."""
 
@@ -85,6 +91,9 @@ class RunCanaries:
     def __init__(self, cfg: CanaryConfig, users: int, dim: int) -> None:
         self.cfg, self.users, self.dim = cfg, users, dim
         self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
+        self.round_max: np.ndarray | None = None  # every direction's largest cosine with a round's change so far
+        self._last = torch.zeros(0)  # x_{t-1}, from :meth:`start`
+        self._directions: torch.Tensor | None = None  # (count + unused) x dim, when they fit DIRECTION_CACHE_BYTES
 
     @property
     def count(self) -> int:
@@ -103,37 +112,67 @@ class RunCanaries:
         """Canary ``i``'s reply: its direction at ``CANARY_NORM * clip_norm`` if included, else zero."""
         return canary_update(self.seed, i, bool(self.included[i]), self.dim, clip_norm)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed}
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "round_max": None if self.round_max is None else self.round_max.tolist()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the seed a run started with (its directions and inclusions); a configured seed must match it."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the seed a run started with (its directions and inclusions; a configured seed must match it) and
+        the every-round statistic so far (absent from a checkpoint written before it existed: the run's earlier
+        rounds would be missing from it, so it is refused)."""
         if self.cfg.seed is not None and state["seed"] != self.cfg.seed:
             raise ValueError(f"privacy.canaries.seed={self.cfg.seed} differs from the seed the run started with: its "
                              "canaries would change mid-run")
+        if "round_max" not in state:
+            raise ValueError("the checkpoint's canaries hold no every-round statistic (written by an older version): "
+                             "its rounds so far cannot be scored; rerun the run from the start")
         self.seed = state["seed"]
+        self.round_max = None if state["round_max"] is None else np.asarray(state["round_max"], dtype=np.float64)
+
+    def start(self, params: torch.Tensor) -> None:
+        """The run (re)starts from the released model ``params`` (``x_t``, flat): the next round's change is taken
+        from it."""
+        self._last = params.detach().clone()
+
+    def observe(self, params: torch.Tensor) -> None:
+        """Round ``t`` released ``params`` (``x_t``, flat): score its model change :math:`x_t - x_{t-1}` into the
+        every-round statistic."""
+        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))
+        self._last = params.detach().clone()
 
     def grid(self, grid: Grid) -> CanaryGrid:
         return CanaryGrid(grid, self)
 
     def scores(self, change: torch.Tensor) -> np.ndarray:
-        """Cosines of ``change`` with every direction (canaries, then unused), 64 at a time."""
-        total = self.count + self.cfg.unused
+        """Cosines of ``change`` with every direction (canaries, then unused): from the directions kept in memory when
+        they fit :data:`DIRECTION_CACHE_BYTES` (the every-round score asks each round), else regenerated
+        :data:`SCORE_CHUNK` values at a time."""
+        total, step = self.count + self.cfg.unused, max(1, min(64, SCORE_CHUNK // self.dim))
         flat = change.detach().to("cpu", torch.float32)
-        return np.concatenate([cosines(flat, torch.stack([self.direction(i) for i in range(a, min(a + 64, total))]))
-                               for a in range(0, total, 64)])
+        if self._directions is None and total * self.dim * 4 <= DIRECTION_CACHE_BYTES:
+            self._directions = torch.stack([self.direction(i) for i in range(total)])
+        if self._directions is not None:
+            return cosines(flat, self._directions)
+        return np.concatenate([cosines(flat, torch.stack([self.direction(i) for i in range(a, min(a + step, total))]))
+                               for a in range(0, total, step)])
 
     def estimates(self, change: torch.Tensor, delta: float) -> dict[str, Any]:
-        """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``)."""
-        scores, inc = self.scores(change), self.included
+        """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``),
+        and both of the every-round statistic (``every_round``; None before any round)."""
+        inc = self.included
+        return {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta,
+                **self._estimates_of(self.scores(change), delta),
+                "every_round": None if self.round_max is None else self._estimates_of(self.round_max, delta)}
+
+    def _estimates_of(self, scores: np.ndarray, delta: float) -> dict[str, Any]:
+        """Andrew et al.'s and Steinke et al.'s estimates of one score per direction (canaries, then unused)."""
+        inc = self.included
         canary, unused = scores[:self.count], scores[self.count:]
         beta = 1 - self.cfg.confidence
         andrew = one_shot_epsilon(canary[inc], np.concatenate([canary[~inc], unused]), delta,
                                   confidence=self.cfg.confidence,
                                   rng=np.random.default_rng(np.random.SeedSequence([self.seed, BOOTSTRAP_STREAM])))
         steinke = one_run_bound(canary, inc, self.count // 4, self.count // 4, delta, beta)
-        return {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta,
-                "andrew": {"epsilon": andrew.epsilon, "interval": list(andrew.interval),
+        return {"andrew": {"epsilon": andrew.epsilon, "interval": list(andrew.interval),
                            "epsilon_separate_variances": andrew.epsilon_separate,
                            "interval_separate_variances": list(andrew.interval_separate),
                            "confidence": andrew.confidence, "inserted": andrew.inserted,
@@ -141,7 +180,6 @@ class RunCanaries:
                            "null_cosine_mean": andrew.null_mean, "null_cosine_std": andrew.null_std},
                 "steinke": {"epsilon_lower_bound": steinke.epsilon_lower_bound, "confidence": steinke.confidence,
                             "guesses": steinke.guesses, "correct": steinke.correct}}
-
 
     def report(self, change: torch.Tensor, mechanism: GaussianMechanism, delta: float, accountant: AccountantKind,
                reported: float | None) -> dict[str, Any]:
@@ -173,14 +211,17 @@ def claim_of_the_added_noise(mechanism: GaussianMechanism, delta: float, account
 class CanaryGrid(Grid):
     """The run's ``grid``, whose last ``count`` partition nodes are the canaries' (module docstring): every message
     to canary ``i``'s node carries the :data:`CANARY_RECORD` ``{seed, index, included}`` its ClientApp answers with
-    (:func:`canary_result`); everything else, e.g. the nodes' states, is the wrapped grid's."""
+    (:func:`canary_result`); everything else, e.g. the nodes' states, is the wrapped grid's. The nodes are the
+    grid's partitions in order: an in-process grid names them, real SuperNodes report them
+    (:func:`~fedprivacy.fl.population.discover_nodes`; a deployment runs one SuperNode per canary after the users')."""
 
     def __init__(self, grid: Grid, canaries: RunCanaries) -> None:
         self.inner, self.canaries = grid, canaries
-        nodes = list(grid.partition_nodes())
-        if len(nodes) != canaries.users + canaries.count:
-            raise ValueError(f"the grid has {len(nodes)} nodes; a run with {canaries.count} canaries over "
-                             f"{canaries.users} users needs {canaries.users + canaries.count} (the canaries last)")
+        try:
+            nodes = discover_nodes(grid, canaries.users + canaries.count)
+        except RuntimeError as err:
+            raise ValueError(f"{err}: a run with {canaries.count} canaries over {canaries.users} users needs "
+                             f"{canaries.users + canaries.count} nodes (the canaries last)") from None
         included = canaries.included
         self._record = {node: ConfigRecord({"seed": canaries.seed, "index": i, "included": bool(included[i])})
                         for i, node in enumerate(nodes[canaries.users:])}

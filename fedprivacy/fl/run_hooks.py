@@ -152,6 +152,7 @@ class Canaries(RunHook):
 
     def __init__(self, canaries: RunCanaries) -> None:
         self.canaries = canaries
+        self.strategy: DPFedAvg | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"canaries": self.canaries.state_dict()}
@@ -163,7 +164,17 @@ class Canaries(RunHook):
         self.canaries.load_state_dict(state["canaries"])
 
     def start(self, strategy: DPFedAvg, grid: Grid) -> Grid:
-        return self.canaries.grid(grid)  # after the resume: the canaries' seed is the checkpoint's
+        """After the resume (the canaries' seed and every-round statistic are the checkpoint's): the grid wrapper, and
+        the model the next round's change is taken from."""
+        self.strategy = strategy
+        if self.canaries.cfg.every_round:
+            self.canaries.start(_params(strategy))
+        return self.canaries.grid(grid)
+
+    def after_round(self, t: int, metrics: dict[str, float]) -> None:
+        """The every-round statistic (``privacy.canaries.every_round``), before the round's checkpoint."""
+        if self.canaries.cfg.every_round:
+            self.canaries.observe(_params(self.strategy))
 
 
 class NodeStates(RunHook):

@@ -24,6 +24,7 @@ from test_results import _fake_study
 REPO = Path(__file__).resolve().parents[2]
 DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federated:grid", "study_b_reddi_tags",
                              "study_c_next_word", "study_e_lr_grid:grid"},
+        "docs/audit.md": {"canaries_quickstart:canaries", "canaries_quickstart_120:canaries"},
         "docs/COMPARISON.md": {"compare_adambc_regime", "compare_adambc_regime:grid", "compare_adambc_low_noise",
                                "compare_server_optimizers", "compare_server_optimizers:grid"}}
 
