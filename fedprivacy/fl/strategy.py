@@ -85,7 +85,6 @@ from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismat
                                       population_change, wait_for_population)
 from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_content, reply_to_update
 from fedprivacy.fl.strategy_state import StrategyState
-from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, ServerOptimizerFactory, build_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
@@ -222,7 +221,7 @@ class DPFedAvg(Strategy):
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
                         "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
-        self.optimizer = build_server_optimizer(optimizer, lr, self._optimizer_settings(optimizer, optimizer_settings))
+        self.optimizer = build_server_optimizer(optimizer, lr, optimizer_settings or {}, phi=self.mechanism.phi())
         self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
@@ -248,13 +247,6 @@ class DPFedAvg(Strategy):
         self.state = None if state_dir is None else StrategyState(state_dir)
         if self.state is not None:
             self.state.load(self.settings)  # a changed setting is refused now, before anything runs
-
-    def _optimizer_settings(self, optimizer: OptimizerName | ServerOptimizerFactory,
-                            given: dict[str, Any] | None) -> dict[str, Any]:
-        settings = dict(given or {})
-        if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
-            settings.setdefault("phi", self.mechanism.phi())
-        return settings
 
     # -- Flower's Strategy interface ----------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
@@ -482,8 +474,9 @@ class DPFedAvg(Strategy):
 
     def _broadcast(self, t: int, config: ConfigRecord) -> dict[str, ArrayRecord | ConfigRecord]:
         """What every sampled node receives in round ``t``: ``x_t``, the config (with the round, C_t, the
-        noise epoch after a re-run of released rounds, DiSK's ``c``) and DiSK's lookahead ``x_t + gamma
-        d_{t-1}``, a function of released values only."""
+        noise epoch after a re-run of released rounds) and what the server step's parts add
+        (:meth:`ServerStep.broadcast <fedprivacy.optim.server_step.ServerStep.broadcast>`: DiSK's lookahead
+        ``x_t + gamma d_{t-1}`` and ``c``), functions of released values only."""
         assert self.params is not None and self._record is not None
         round_config = ConfigRecord({**config, "server-round": t, "clip-norm": float(self.mechanism.clip_norm)})
         if self.mechanism.epoch:  # simulated clients draw fresh noise streams too
@@ -491,13 +484,12 @@ class DPFedAvg(Strategy):
         if self.node_content is not None:
             round_config.update(self.node_content.config())
         content: dict[str, ArrayRecord | ConfigRecord] = {"arrays": self._record, "config": round_config}
-        lookahead = self.step.lookahead(self.params)
-        if lookahead is not None and self.step.disk is not None:
-            content["lookahead"] = layout_to_record(lookahead, self.layout)
-            round_config["disk-c"] = self.step.disk.c
-        sparse = getattr(self.optimizer, "downlink_bytes", None)  # DP-MicroAdam: x_t - x_{t-1} is sparse
-        model_bytes = sparse() if sparse is not None and t > 1 else 4 * self.params.numel()
-        self._downlink = model_bytes + (4 * self.params.numel() if lookahead is not None else 0)
+        extra = self.step.broadcast(self.params)
+        if taken := sorted(set(extra.arrays) & set(content)):
+            raise ValueError(f"the server step adds {taken[0]!r} to the broadcast, a record the strategy sends")
+        content.update((name, layout_to_record(array, self.layout)) for name, array in extra.arrays.items())
+        round_config.update(extra.config)
+        self._downlink = self.step.downlink_bytes(self.params, t, extra)
         return content
 
     def aggregator(self) -> PrivateSum:
@@ -570,8 +562,7 @@ class DPFedAvg(Strategy):
         out.update(agg.stats.as_metrics(), clip_norm=released.clip_norm, server_noise_std=agg.server_noise_std())
         if released.unclipped_fraction is not None:
             out["unclipped_fraction_released"] = released.unclipped_fraction
-        if isinstance(self.optimizer, ServerAdamBC):  # where bias correction can matter (Tang et al., arXiv:2312.14334)
-            out["adambc_floored_fraction"] = self.optimizer.floored_fraction
+        out.update(self.step.metrics())  # e.g. DP-FedAdamBC's floored fraction
         if len(self.client_ledgers):
             out["client_epsilon_max"] = max(self.client_epsilons().values())
         return out
