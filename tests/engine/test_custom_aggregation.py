@@ -13,6 +13,7 @@ from fedprivacy.fl.aggregation import (Abort, Aggregation, PlainAggregation, Rel
                                        aggregation_of)
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.strategy import DPFedAvg
+from fedprivacy.optim.broadcast import StepBroadcast
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import SparseUpdate
 
@@ -142,3 +143,66 @@ def test_a_part_that_aborts_leaves_the_model_and_the_ledger_as_they_were():
     result = _start(strategy, _plain_client_app(), 8, rounds=2, lr=0.5)
     assert torch.equal(_flat(result.arrays), _flat(ArrayRecord(_model().state_dict())))
     assert strategy.mechanism.ledger.rounds == 0 and result.train_metrics_clientapp[2]["refused"] == 1.0
+
+
+class NoiseAwareStep:
+    """A server step that needs Phi_t and sends something to the clients: ``x <- x + lr / (1 + Phi_t) g``, and from
+    round 2 the model before its last step (record ``anchor``) and that step's scale (config ``step-scale``)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr, self.phi, self.previous = lr, None, None
+
+    def set_phi(self, phi: float) -> None:
+        self.phi = phi
+
+    def step_(self, params, pseudo_grad) -> None:
+        self.previous = params.clone()
+        params.add_(pseudo_grad, alpha=self.lr / (1 + self.phi))
+
+    def broadcast(self, params) -> StepBroadcast:
+        if self.previous is None:
+            return StepBroadcast()
+        return StepBroadcast({"anchor": self.previous}, {"step-scale": self.lr / (1 + self.phi)})
+
+    def state_dict(self) -> dict:
+        return {"previous": self.previous, "phi": self.phi}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.previous, self.phi = state["previous"], state["phi"]
+
+
+def _spy(seen: list):
+    """A client mod recording each train message's round, model, anchor and step scale (or None)."""
+    def mod(msg, context, call_next):
+        anchor = msg.content.array_records.get("anchor")
+        seen.append((msg.content["config"]["server-round"], _flat(msg.content["arrays"]),
+                     None if anchor is None else _flat(anchor), msg.content["config"].get("step-scale")))
+        return call_next(msg, context)
+    return mod
+
+
+def test_a_server_step_of_ones_own_gets_phi_and_adds_to_the_broadcast_through_one_hook():
+    """Told Phi_t, its steps are SGD's at ``lr / (1 + Phi)`` bit for bit; from round 2 every sampled client receives
+    the previous model and the scale, and the downlink counts the extra array."""
+    seen: list = []
+    own = DPFedAvg(**COMMON, optimizer=NoiseAwareStep, lr=0.5)
+    phi = own.mechanism.phi()
+    result = _start(own, _plain_client_app(mods=[_spy(seen)]), 8, rounds=3, lr=0.5)
+    sgd = DPFedAvg(**COMMON, optimizer="sgd", lr=0.5 / (1 + phi))
+    assert phi > 0 and torch.equal(_flat(result.arrays), _flat(_start(sgd, _plain_client_app(), 8, 3, 0.5).arrays))
+    models = {t: model for t, model, _, _ in seen}
+    assert all(anchor is None and scale is None for t, _, anchor, scale in seen if t == 1)
+    later = [(t, anchor, scale) for t, _, anchor, scale in seen if t > 1]
+    assert later and all(torch.equal(anchor, models[t - 1]) and scale == 0.5 / (1 + phi) for t, anchor, scale in later)
+    dim = models[1].numel()
+    assert [result.train_metrics_clientapp[t]["downlink_bytes_per_client"] for t in (1, 2, 3)] == [4 * dim,
+                                                                                                    8 * dim, 8 * dim]
+
+
+def test_a_step_that_would_overwrite_the_model_in_the_broadcast_is_refused():
+    class Overwriting(NoiseAwareStep):
+        def broadcast(self, params) -> StepBroadcast:
+            return StepBroadcast({"arrays": params})
+
+    with pytest.raises(ValueError, match="adds 'arrays' to the broadcast"):
+        _start(DPFedAvg(**COMMON, optimizer=Overwriting, lr=0.5), _plain_client_app(), 8, rounds=1, lr=0.5)
