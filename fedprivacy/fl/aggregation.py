@@ -9,7 +9,7 @@ r"""How a round's uploads become ONE release: the strategy's aggregation part (:
    :class:`~fedprivacy.privacy.mechanism.Release`, logged ahead and accounted by the mechanism) or an :class:`Abort`
    (nothing released; the round's metrics say why);
 4. :meth:`Aggregation.settings` is what the part adds to the strategy's settings (what a resume may not change), and
-   :meth:`Aggregation.refusal` names an option it cannot be combined with.
+   :meth:`Aggregation.refusal` names an option it cannot be combined with (:mod:`fedprivacy.privacy.combination`).
 
 Two built-in parts:
 
@@ -39,6 +39,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fedprivacy.privacy.combination import Combination
 from fedprivacy.fl.records import record_nbytes, reply_content
 from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
 from fedprivacy.privacy.aggregation import PrivateSum
@@ -110,9 +111,9 @@ class Aggregation(Protocol):
     def settings(self) -> dict[str, Any]:
         """What this part adds to :attr:`DPFedAvg.settings` (a resume with other values is refused naming them)."""
 
-    def refusal(self, *, record_level: bool, disk: bool) -> str | None:
-        """Why this part cannot run with record-level events (``record_level``) or DiSK's second update
-        (``disk``), or None when it can."""
+    def refusal(self, combination: Combination) -> str | None:
+        """Why this part cannot run with the strategy's other choices (e.g. record-level events, DiSK's second
+        update), or None when it can (:func:`~fedprivacy.privacy.combination.refuse_incompatible`)."""
 
     def mechanism(self, mechanism_cls: type[GaussianMechanism], args: Mapping[str, Any]) -> GaussianMechanism:
         """The mechanism it releases through, from the strategy's mechanism class and arguments."""
@@ -136,7 +137,7 @@ class PlainAggregation:
         """Nothing beyond the mechanism's settings."""
         return {}
 
-    def refusal(self, *, record_level: bool, disk: bool) -> str | None:
+    def refusal(self, combination: Combination) -> str | None:
         """Every combination: the replies carry their events and DiSK's combined update in the clear."""
         return None
 
@@ -175,9 +176,9 @@ class SecureAggregationPart:
         """``secure_aggregation``: SecAgg+'s parameters."""
         return {"secure_aggregation": asdict(self.config)}
 
-    def refusal(self, *, record_level: bool, disk: bool) -> str | None:
+    def refusal(self, combination: Combination) -> str | None:
         """The masked upload carries neither a record-level event nor DiSK's second update."""
-        if record_level or disk:
+        if combination.record_level or combination.disk:
             return ("secure_aggregation: record_level and disk_kappa are not supported (the masked upload carries "
                     "neither an event nor a second update)")
         return None

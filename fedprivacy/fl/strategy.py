@@ -81,6 +81,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.aggregation import Abort, Aggregation, Diagnostics, Released, aggregation_of
+from fedprivacy.privacy.combination import Combination, refuse_incompatible
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
 from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_content, reply_to_update
@@ -209,20 +210,18 @@ class DPFedAvg(Strategy):
             noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device,
             noise_stream=noise_stream, groups=groups)
         self.secure_aggregation = secure_aggregation
-        refused = self.aggregation.refusal(record_level=record_level, disk=disk_kappa is not None)
-        if refused is not None:
-            raise ValueError(refused)
         self.mechanism: GaussianMechanism = self.aggregation.mechanism(self.mechanism_cls, mechanism_args)
-        if disk_kappa is not None and not getattr(self.mechanism.noise, "independent", True):
-            raise ValueError(f"DiSK (disk_kappa={disk_kappa}) models noise independent across rounds; noise_stream="
-                             f"{stream_name(noise_stream)} correlates it (use one or the other)")
+        disk = None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma)
         self.delta = resolve_delta(delta, self.mechanism.claim_population)
         _check_accounting(self.mechanism, budget_accountant, accountants, target_epsilon)
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
                         "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
         self.optimizer = build_server_optimizer(optimizer, lr, optimizer_settings or {}, phi=self.mechanism.phi())
-        self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
+        refuse_incompatible([self.aggregation, disk, self.optimizer], Combination(
+            record_level=record_level, disk=disk is not None, noise_stream=stream_name(noise_stream),
+            independent_noise=getattr(self.mechanism.noise, "independent", True)))
+        self.step = ServerStep(self.optimizer, disk)
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
         self.record_level, self.device = record_level, torch.device(device)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from fedprivacy.optim.broadcast import StepBroadcast
+from fedprivacy.privacy.combination import Combination
 from fedprivacy.updates import SparseUpdate
 
 
@@ -87,6 +88,13 @@ class DiskFilter:
         if self.kappa == 1.0 or self.displacement is None:
             return None
         return params + self.gamma * self.displacement
+
+    def refusal(self, combination: Combination) -> str | None:
+        """Noise correlated across rounds: the filter's ``V_t`` (module docstring) assumes it independent."""
+        if combination.independent_noise:
+            return None
+        return (f"DiSK (disk_kappa={self.kappa}) models noise independent across rounds; noise_stream="
+                f"{combination.noise_stream} correlates it (use one or the other)")
 
     def broadcast(self, params: torch.Tensor) -> StepBroadcast:
         """The lookahead ``x_t + gamma d_{t-1}`` (record ``lookahead``) and ``c`` (config ``disk-c``) for the clients'

@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord
 from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.aggregation import (Abort, Aggregation, PlainAggregation, Released, SecureAggregationPart,
                                        aggregation_of)
+from fedprivacy.privacy.combination import Combination
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.optim.broadcast import StepBroadcast
@@ -44,8 +45,8 @@ class CoordinateClipped:
     def settings(self):
         return {"aggregation": f"{__name__}:CoordinateClipped", "coordinate_bound": self.bound}
 
-    def refusal(self, *, record_level, disk):
-        return "CoordinateClipped: DiSK's combined update is not clamped coordinate-wise" if disk else None
+    def refusal(self, combination):
+        return "CoordinateClipped: DiSK's combined update is not clamped coordinate-wise" if combination.disk else None
 
     def mechanism(self, mechanism_cls, args):
         return mechanism_cls(**args)
@@ -69,7 +70,8 @@ COMMON = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population
 
 def test_the_part_implements_the_protocol():
     part: Aggregation = CoordinateClipped(0.01)  # mypy checks the structural match
-    assert part.refusal(record_level=True, disk=False) is None
+    assert part.refusal(Combination(record_level=True, disk=False, noise_stream="gaussian", independent_noise=True)) \
+        is None
 
 
 def test_a_bound_that_clamps_nothing_runs_bit_for_bit_as_the_plain_aggregation():
