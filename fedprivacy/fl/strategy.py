@@ -90,13 +90,12 @@ from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, ServerOptimizerFactory, build_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.callbacks import RoundCallback
-from fedprivacy.privacy.accounting import AccountantKind, accounts, resolve_delta
+from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
-from fedprivacy.privacy.secure_mechanism import SkellamMechanism
 from fedprivacy.privacy.noise import GaussianNoise, part_name, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
@@ -581,11 +580,7 @@ def _check_accounting(mechanism: GaussianMechanism, budget_accountant: Accountan
         return
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0):
         raise ValueError(f"target_epsilon must be a number > 0 (or None: no budget), got {target_epsilon!r}")
-    if isinstance(mechanism, SkellamMechanism):  # its rounds state their own RDP curve (planned once d is known)
-        ok, what = budget_accountant == "rdp", "secure_aggregation's Skellam rounds"
-    else:
-        event = mechanism.event()
-        ok, what = accounts([(event, 1)], budget_accountant), type(event).__name__
+    ok, what = mechanism.budget_accountable(budget_accountant)
     if not ok:
         raise ValueError(f"budget_accountant={budget_accountant!r} cannot account {what}, the releases of noise_stream="
                          f"{stream_name(mechanism.noise_stream)} with sampling={mechanism.sampling!r}: use 'rdp' (it "

@@ -24,9 +24,9 @@ class StepBroadcast:
 
     def merge(self, other: StepBroadcast, part: object) -> None:
         """Add ``other`` (from ``part``); a name two parts both send is refused naming it."""
-        for mine, theirs in ((self.arrays, other.arrays), (self.config, other.config)):
-            clash = sorted(set(mine) & set(theirs))
-            if clash:
-                raise ValueError(f"{type(part).__name__} adds {clash[0]!r} to the broadcast, which another part of "
-                                 "the server step already sends")
-            mine.update(theirs)  # type: ignore[attr-defined]
+        clash = sorted((set(self.arrays) & set(other.arrays)) | (set(self.config) & set(other.config)))
+        if clash:
+            raise ValueError(f"{type(part).__name__} adds {clash[0]!r} to the broadcast, which another part of the "
+                             "server step already sends")
+        self.arrays.update(other.arrays)
+        self.config.update(other.config)

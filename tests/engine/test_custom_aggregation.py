@@ -208,3 +208,13 @@ def test_a_step_that_would_overwrite_the_model_in_the_broadcast_is_refused():
 
     with pytest.raises(ValueError, match="adds 'arrays' to the broadcast"):
         _start(DPFedAvg(**COMMON, optimizer=Overwriting, lr=0.5), _plain_client_app(), 8, rounds=1, lr=0.5)
+
+
+def test_two_parts_of_the_step_sending_the_same_name_are_refused_naming_it():
+    class Lookahead(NoiseAwareStep):
+        def broadcast(self, params) -> StepBroadcast:
+            return StepBroadcast({"lookahead": params})
+
+    with pytest.raises(ValueError, match="Lookahead adds 'lookahead' to the broadcast, which another part"):
+        _start(DPFedAvg(**COMMON, optimizer=Lookahead, lr=0.5, disk_kappa=0.5), _plain_client_app(), 8, rounds=2,
+               lr=0.5)
