@@ -112,7 +112,7 @@ MUTATIONS = [
  ("fedprivacy/fl/aggregation.py", "        if combination.record_level or combination.disk:", "        if False:", "tests/engine/test_custom_aggregation.py -k refuses_what_it_cannot_combine"),
  ("fedprivacy/optim/disk.py", "        if combination.independent_noise:\n            return None\n", "        if True:\n            return None\n", "tests/engine/test_correlated_run.py -k refuses_disk_with_correlated"),
  ("fedprivacy/privacy/combination.py", "        if reason is not None:\n            raise ValueError(reason)", "        if reason is not None:\n            return", "tests/engine/test_custom_aggregation.py -k refuses_what_it_cannot_combine"),
- ("fedprivacy/fl/strategy.py", "            self.aggregation.adopt(self.mechanism, self.params.numel())\n", "", "tests/engine/test_secure_aggregation.py -k dropping"),
+ ("fedprivacy/fl/strategy.py", "            self.aggregation.adopt(self.mechanism, self.params.numel())\n", "", "tests/engine/test_secure_run.py -k never_exceeds"),
  # Flower Datasets: one user, one partition
  ("fedprivacy/data/flower_datasets.py", "            if home.setdefault(user, i) != i:", "            if False:", "tests/data/test_flower_datasets.py -k splits_a_user"),
  ("fedprivacy/data/flower_datasets.py", "    if isinstance(partitioner, NaturalIdPartitioner) and natural_column(partitioner) == user_column:", "    if isinstance(partitioner, NaturalIdPartitioner):", "tests/data/test_flower_datasets.py -k finer_column"),
