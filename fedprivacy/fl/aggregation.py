@@ -16,7 +16,7 @@ Two built-in parts:
 * :class:`PlainAggregation`: the server clips each update to :math:`C_t`, sums, and the mechanism adds ONE draw and
   divides by the expected cohort (McMahan et al. 2018, arXiv:1710.06963, Alg. 1):
   :math:`g_t = \frac1m\big(\sum_{i} \operatorname{clip}(u_i, C_t) + \mathcal N(0, z^2 C_t^2 I)\big)`;
-* :class:`SecureAggregationPart`: SecAgg+ (Bell et al. 2020, arXiv:2002.04156) over the clients' Skellam shares
+* :class:`SecureAggregationPart`: SecAgg+ (Bell et al. 2020, arXiv:2009.08722) over the clients' Skellam shares
   (Agarwal et al. 2021, arXiv:2110.04995): the server learns only the sum modulo :math:`2^b` of the survivors'
   uploads, :math:`g_t = \frac1m \mathrm{decode}\big(\sum_{i \in S'_t} v_i \bmod 2^b\big)`, accounted with the noise
   the survivors actually added (:mod:`fedprivacy.privacy.secure_mechanism`).
