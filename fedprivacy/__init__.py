@@ -25,6 +25,7 @@ from fedprivacy.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from fedprivacy.engines.inprocess import run_inprocess
+    from fedprivacy.fl.aggregation import Aggregation, PlainAggregation, SecureAggregationPart
     from fedprivacy.fl.mods import answer_identity_query, client_noise_mod, topk_uplink_mod
     from fedprivacy.fl.record_dp import make_record_dp
     from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
@@ -42,7 +43,8 @@ __version__ = "0.1.0"
 
 __all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "FlowerDatasetsTask", "GaussianMechanism", "Task", "client_noise_mod", "event_from_metrics",
            "make_record_dp", "answer_identity_query", "SecureAggregation", "secure_aggregation_mod", "run_inprocess", "topk_uplink_mod",
-           "AccountedEvent", "GaussianNoise", "NoiseStream", "register_event"]
+           "AccountedEvent", "GaussianNoise", "NoiseStream", "register_event",
+           "Aggregation", "PlainAggregation", "SecureAggregationPart"]
 
 __getattr__ = lazy_exports(__name__, {
     "CorrelatedMechanism": "fedprivacy.privacy.correlated",
@@ -63,4 +65,7 @@ __getattr__ = lazy_exports(__name__, {
     "GaussianNoise": "fedprivacy.privacy.noise",
     "NoiseStream": "fedprivacy.privacy.noise",
     "register_event": "fedprivacy.privacy.events",
+    "Aggregation": "fedprivacy.fl.aggregation",
+    "PlainAggregation": "fedprivacy.fl.aggregation",
+    "SecureAggregationPart": "fedprivacy.fl.aggregation",
 })

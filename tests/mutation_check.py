@@ -1,4 +1,4 @@
-"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam, correlated-noise, secure-aggregation and Hardening III privacy claims: each fix is broken in turn and
+"""Mutation check of the Hardening II, resumable-strategy, mechanism-seam, correlated-noise, secure-aggregation, strategy-parts and Hardening III privacy claims: each fix is broken in turn and
 the test that guards it must go red. Run from the repository root: ``python tests/mutation_check.py``
 (about 5 minutes; prints RED or GREEN per mutation and restores every file). Not collected by pytest."""
 
@@ -118,6 +118,11 @@ MUTATIONS = [
  ("fedprivacy/fl/strategy.py", "            out.update(hook.fixed_settings() if t is None else t)", "            out.update(hook.fixed_settings())", "tests/engine/test_run_state.py -k former_format_refuses"),
  # a TFDS public pool holds no training record (AdaDPS's A reads the pool only)
  ("fedprivacy/tfds_task.py", "        if shared:\n", "        if False:\n", "tests/data/test_tfds_source.py -k each_error"),
+ # the strategy's parts: incompatible parts refused in one place, the aggregation part told the model's size
+ ("fedprivacy/fl/aggregation.py", "        if combination.record_level or combination.disk:", "        if False:", "tests/engine/test_custom_aggregation.py -k refuses_what_it_cannot_combine"),
+ ("fedprivacy/optim/disk.py", "        if combination.independent_noise:\n            return None\n", "        if True:\n            return None\n", "tests/engine/test_correlated_run.py -k refuses_disk_with_correlated"),
+ ("fedprivacy/privacy/combination.py", "        if reason is not None:\n            raise ValueError(reason)", "        if reason is not None:\n            return", "tests/engine/test_custom_aggregation.py -k refuses_what_it_cannot_combine"),
+ ("fedprivacy/fl/strategy.py", "            self.aggregation.adopt(self.mechanism, self.params.numel())\n", "", "tests/engine/test_secure_run.py -k never_exceeds"),
  # Flower Datasets: one user, one partition
  ("fedprivacy/data/flower_datasets.py", "            if home.setdefault(user, i) != i:", "            if False:", "tests/data/test_flower_datasets.py -k splits_a_user"),
  ("fedprivacy/data/flower_datasets.py", "    if isinstance(partitioner, NaturalIdPartitioner) and natural_column(partitioner) == user_column:", "    if isinstance(partitioner, NaturalIdPartitioner):", "tests/data/test_flower_datasets.py -k finer_column"),

@@ -2,19 +2,22 @@
 the DP strategy :class:`DPFedAvg`, the client mods :func:`client_noise_mod` and :func:`topk_uplink_mod`,
 :func:`answer_identity_query` (a cyclic schedule's identity query), and
 :func:`make_record_dp` for record-level DP in a ClientApp, and SecAgg+ with distributed Skellam noise
-(:class:`SecureAggregation`, :func:`secure_aggregation_mod`)."""
+(:class:`SecureAggregation`, :func:`secure_aggregation_mod`); how the strategy sums the uploads, a part
+(:class:`Aggregation`: :class:`PlainAggregation`, :class:`SecureAggregationPart`)."""
 
 from typing import TYPE_CHECKING
 
 from fedprivacy.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
+    from fedprivacy.fl.aggregation import Aggregation, PlainAggregation, SecureAggregationPart
     from fedprivacy.fl.mods import answer_identity_query, client_noise_mod, topk_uplink_mod
     from fedprivacy.fl.record_dp import make_record_dp
     from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
 
-__all__ = ["DPFedAvg", "answer_identity_query", "client_noise_mod", "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "topk_uplink_mod"]
+__all__ = ["DPFedAvg", "answer_identity_query", "client_noise_mod", "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "topk_uplink_mod",
+           "Aggregation", "PlainAggregation", "SecureAggregationPart"]
 
 __getattr__ = lazy_exports(__name__, {
     "DPFedAvg": "fedprivacy.fl.strategy",
@@ -24,4 +27,7 @@ __getattr__ = lazy_exports(__name__, {
     "SecureAggregation": "fedprivacy.fl.secure_aggregation",
     "secure_aggregation_mod": "fedprivacy.fl.secure_aggregation",
     "topk_uplink_mod": "fedprivacy.fl.mods",
+    "Aggregation": "fedprivacy.fl.aggregation",
+    "PlainAggregation": "fedprivacy.fl.aggregation",
+    "SecureAggregationPart": "fedprivacy.fl.aggregation",
 })

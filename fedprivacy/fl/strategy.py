@@ -77,38 +77,35 @@ every cohort and every noise draw, and with them the noise-free sums.
 from __future__ import annotations
 
 import logging
-import secrets
 from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol, get_args
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedprivacy.checkpoints import ResumeError
+from fedprivacy.fl.aggregation import Abort, Aggregation, Diagnostics, Released, aggregation_of
+from fedprivacy.privacy.combination import Combination, refuse_incompatible
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
-from fedprivacy.fl.records import layout_to_record, record_nbytes, record_to_layout, reply_content, reply_to_update
+from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_content, reply_to_update
 from fedprivacy.fl.hooks import RunHook
 from fedprivacy.fl.strategy_state import StrategyState
-from fedprivacy.optim.adambc import ServerAdamBC
 from fedprivacy.optim.disk import DiskFilter
 from fedprivacy.optim.factory import OptimizerName, ServerOptimizerFactory, build_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.callbacks import RoundCallback
-from fedprivacy.privacy.accounting import AccountantKind, accounts, resolve_delta
+from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
-from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
+from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
-from fedprivacy.privacy.secure_mechanism import SecureSum, SkellamMechanism
-from fedprivacy.privacy.skellam import IntegrityCheckFailed
 from fedprivacy.privacy.noise import GaussianNoise, part_name, stream_name
 from fedprivacy.privacy.placement import Placement
 from fedprivacy.privacy.release_log import ReleaseLog
@@ -116,9 +113,6 @@ from fedprivacy.privacy.sampling import Schedule, ScheduleFactory
 from fedprivacy.stopping import RunStopped
 
 log = logging.getLogger(__name__)
-
-ROTATION_STREAM = 0x726F74  # "rot": a seeded simulation's rotation seeds, disjoint from its other streams
-
 
 class NodeContent(Protocol):
     """What a run adds to the train messages beyond the model, from public values only (AdaDPS's side
@@ -132,34 +126,6 @@ class NodeContent(Protocol):
 
     def acknowledge(self, node: int, ok: bool) -> None:
         """``node`` answered this round's message (``ok``: without an error)."""
-
-
-@dataclass
-class _Diagnostics:
-    """What a round's accepted replies said besides their updates (diagnostics, never released)."""
-
-    losses: list[float] = field(default_factory=list)
-    uplink: list[int] = field(default_factory=list)
-    residual: list[float] = field(default_factory=list)
-
-    def add(self, content: RecordDict) -> None:
-        reported: Mapping[str, Any] = content.metric_records.get("metrics") or {}
-        numbers = {k: float(v) for k, v in reported.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.uplink.append(record_nbytes(content.array_records["arrays"]))
-        if "train_loss" in numbers:
-            self.losses.append(numbers["train_loss"])
-        if "residual-bytes" in numbers:
-            self.residual.append(numbers["residual-bytes"])
-
-    def metrics(self) -> dict[str, float]:
-        out = {"train_loss": _mean(self.losses), "uplink_bytes_per_client": _mean(self.uplink)}
-        if self.residual:
-            out["residual_bytes_per_client"] = _mean(self.residual)
-        return out
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 class DPFedAvg(Strategy):
@@ -210,6 +176,11 @@ class DPFedAvg(Strategy):
         hooks: what the loop calls around the rounds, in this order (:class:`~fedprivacy.fl.hooks.RunHook`); their
             states are saved with the strategy's and their ``fixed_settings`` refused changed like its settings.
         checkpoint_every: with ``state_dir``, checkpoint after every this many rounds (and at a stop, at the end).
+        secure_aggregation: SecAgg+'s parameters: the clients' Skellam shares summed under secure aggregation
+            (the keyword form of ``aggregation=SecureAggregationPart(secure_aggregation)``), or None.
+        aggregation: how the uploads become one release, an :class:`~fedprivacy.fl.aggregation.Aggregation`
+            (default :class:`~fedprivacy.fl.aggregation.PlainAggregation`: the server clips, sums and the mechanism
+            adds its noise); it builds the mechanism, sends the train messages and makes the release.
     """
 
     mechanism_cls: type[GaussianMechanism] = GaussianMechanism
@@ -230,10 +201,11 @@ class DPFedAvg(Strategy):
                  seed: int | None = None, noise_cohort: int | None = None, noise_population: int | None = None,
                  device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
                  node_content: NodeContent | None = None, groups: int = 1,
-                 secure_aggregation: SecureAggregation | None = None,
+                 secure_aggregation: SecureAggregation | None = None, aggregation: Aggregation | None = None,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None,
                  on_round: RoundCallback | None = None, hooks: Sequence[RunHook] = (),
                  checkpoint_every: int = 1) -> None:
+        self.aggregation = aggregation_of(aggregation, secure_aggregation)
         self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
                          "expected_cohort": expected_cohort, "population": population,
                          "sampling": part_name(sampling), "placement": placement,
@@ -244,7 +216,7 @@ class DPFedAvg(Strategy):
                          "delta": delta, "seed": seed, "noise_cohort": noise_cohort,
                          "noise_population": noise_population,
                          "noise_stream": stream_name(noise_stream), **({"groups": groups} if groups != 1 else {}),
-                         **({"secure_aggregation": asdict(secure_aggregation)} if secure_aggregation else {})}
+                         **self.aggregation.settings()}
         """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
         mechanism_args: dict[str, Any] = dict(
             noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
@@ -252,25 +224,18 @@ class DPFedAvg(Strategy):
             noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device,
             noise_stream=noise_stream, groups=groups)
         self.secure_aggregation = secure_aggregation
-        if secure_aggregation is not None:
-            if record_level or disk_kappa is not None:
-                raise ValueError("secure_aggregation: record_level and disk_kappa are not supported (the masked "
-                                 "upload carries neither an event nor a second update)")
-            self.mechanism: GaussianMechanism = SkellamMechanism(bits=secure_aggregation.bits,
-                                                                 min_shares=secure_aggregation.threshold,
-                                                                 **mechanism_args)
-        else:
-            self.mechanism = self.mechanism_cls(**mechanism_args)
-        if disk_kappa is not None and not getattr(self.mechanism.noise, "independent", True):
-            raise ValueError(f"DiSK (disk_kappa={disk_kappa}) models noise independent across rounds; noise_stream="
-                             f"{stream_name(noise_stream)} correlates it (use one or the other)")
+        self.mechanism: GaussianMechanism = self.aggregation.mechanism(self.mechanism_cls, mechanism_args)
+        disk = None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma)
         self.delta = resolve_delta(delta, self.mechanism.claim_population)
         _check_accounting(self.mechanism, budget_accountant, accountants, target_epsilon)
         if seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
                         "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
-        self.optimizer = build_server_optimizer(optimizer, lr, self._optimizer_settings(optimizer, optimizer_settings))
-        self.step = ServerStep(self.optimizer, None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma))
+        self.optimizer = build_server_optimizer(optimizer, lr, optimizer_settings or {}, phi=self.mechanism.phi())
+        refuse_incompatible([self.aggregation, disk, self.optimizer], Combination(
+            record_level=record_level, disk=disk is not None, noise_stream=stream_name(noise_stream),
+            independent_noise=getattr(self.mechanism.noise, "independent", True)))
+        self.step = ServerStep(self.optimizer, disk)
         self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
         self.accountants = list(accountants)
         self.record_level, self.device = record_level, torch.device(device)
@@ -284,7 +249,6 @@ class DPFedAvg(Strategy):
         self._unordered = False  # resumed from a state that kept no order of its users
         self._labels: dict[int, int] = {}  # node id -> the id its client-side ledger is kept under
         self.cohort: list[int] = []  # this round's sampled nodes
-        self._secagg: SecAggRound | None = None  # this round's SecAgg+ protocol, between configure and aggregate
         self._waiting: set[int] = set()  # sampled nodes that have not answered: each may contribute once
         self._downlink = 0
         self.round = 0  # rounds completed, across restarts
@@ -299,13 +263,6 @@ class DPFedAvg(Strategy):
         self.state = None if state_dir is None else StrategyState(state_dir)
         if self.state is not None:
             self.state.load(self.fixed_settings(), self.former_settings)  # refused now, before anything runs
-
-    def _optimizer_settings(self, optimizer: OptimizerName | ServerOptimizerFactory,
-                            given: dict[str, Any] | None) -> dict[str, Any]:
-        settings = dict(given or {})
-        if optimizer == "adambc":  # Phi from the mechanism; DiSK and C_t change it per round (ServerStep)
-            settings.setdefault("phi", self.mechanism.phi())
-        return settings
 
     # -- Flower's Strategy interface ----------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = 3600,
@@ -436,16 +393,8 @@ class DPFedAvg(Strategy):
         self.cohort = [nodes[i] for i in self.mechanism.sample()]
         self._waiting = set(self.cohort)
         content = self._broadcast(t, config)
-        if self.secure_aggregation is None:
-            return [self._train_message(t, content, node) for node in self.cohort]
-        self._secagg = SecAggRound(grid, self.secure_aggregation, t, self._rotation_seed(t), list(self.cohort))
-        try:
-            receivers = self._secagg.prepare()
-        except SecAggAborted as err:
-            log.error("%s: nothing released, nothing accounted", err)
-            return []
-        return [self._train_message(t, {**content, SECAGG: self._secagg.collect_content(node)}, node)
-                for node in receivers]
+        return [self._train_message(t, node_content, node)
+                for node, node_content in self.aggregation.messages_for(self, grid, t, self.cohort, content)]
 
     def _train_message(self, t: int, content: Mapping[str, ArrayRecord | ConfigRecord], node: int) -> Message:
         extra = self.node_content.content_for(node) if self.node_content is not None else {}
@@ -453,96 +402,38 @@ class DPFedAvg(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Clip and sum the replies as they stream in, ONE noise draw, fixed divisor (the release, logged
-        ahead and accounted), then :meth:`post_process`: ``x_{t+1}`` and the round's metrics."""
+        """The aggregation part's release of the replies (:meth:`Aggregation.release
+        <fedprivacy.fl.aggregation.Aggregation.release>`: e.g. clip and sum them as they stream in, ONE noise draw,
+        fixed divisor; logged ahead and accounted), then :meth:`post_process`: ``x_{t+1}`` and the round's metrics;
+        a round the part aborts leaves the model as it was."""
         if self.stopped or self.params is None:
             return None, None
-        if self.secure_aggregation is not None:
-            arrays, metrics = self._aggregate_secure(self._offset + server_round, replies)
+        self.round = self._offset + server_round
+        outcome = self.aggregation.release(self, self.round, replies)
+        if isinstance(outcome, Abort):
+            arrays, metrics = self._record, MetricRecord({**self._epsilon_metrics(), **outcome.metrics})
         else:
-            agg = self._aggregator()
-            diagnostics = self._collect(self._offset + server_round, replies, agg)
-            self.round = self._offset + server_round
-            self._report_rejections(agg)
-            arrays, metrics = self._finish(agg, self.mechanism.release(agg, self.round), diagnostics)
+            arrays, metrics = self._finish(outcome)
         if self.on_round is not None:
             self.on_round(self.round, {k: float(v) for k, v in metrics.items()})  # type: ignore[arg-type]
         return arrays, metrics
 
-    def _finish(self, agg: PrivateSum, released: Release, diagnostics: _Diagnostics,
-                extra: Mapping[str, float] | None = None) -> tuple[ArrayRecord, MetricRecord]:
+    def _finish(self, outcome: Released) -> tuple[ArrayRecord, MetricRecord]:
         """After the release: :meth:`post_process`, the next draw's prefetch, the checkpoint, the round's metrics."""
         assert self.params is not None
+        agg, released = outcome.agg, outcome.release
         self.post_process(released.g, released.phi)
         self._record = layout_to_record(self.params, self.layout)
         if self.prefetch_noise and (self.rounds_planned is None or self.round < self.rounds_planned):
             self.mechanism.prefetch(agg)  # every draw of this round is made: start the next round's
-        metrics: dict[str, Any] = {**diagnostics.metrics(), **self._privacy_metrics(agg, released),
-                                   **self._round_metrics(), **(extra or {})}
+        metrics: dict[str, Any] = {**outcome.diagnostics.metrics(), **self._privacy_metrics(agg, released),
+                                   **self.round_metrics(), **outcome.metrics}
         return self._record, MetricRecord(metrics)
 
-    def _round_metrics(self) -> dict[str, float]:
+    def round_metrics(self) -> dict[str, float]:
+        """The round's downlink bytes per client, sampled cohort and sampled nodes that did not answer."""
         return {"downlink_bytes_per_client": float(self._downlink), "cohort_sampled": float(len(self.cohort)),
                 "cohort_dropped": float(len(self._waiting))}
-
-    def _aggregate_secure(self, t: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord]:
-        """The SecAgg+ round's end (:mod:`fedprivacy.fl.secure_aggregation`): sum the masked uploads mod 2^b, check
-        the survivors, log the release ahead with the noise they added, unmask, decode, post-process. Below the
-        threshold the round ends with one logged line, the model unchanged and nothing accounted. Each stage's
-        failed nodes are logged and counted (``secagg_failed_<stage>``); ``cohort_dropped`` counts the sampled nodes
-        that failed before their masked upload, ``secagg_survivors`` the uploads accepted."""
-        secagg, self._secagg = self._secagg, None
-        self.round = t
-        assert self.params is not None and secagg is not None
-        agg = self.mechanism.aggregator(self.params.numel())
-        assert isinstance(agg, SecureSum)
-        agg.rotation_seed = secagg.rotation_seed
-        diagnostics = _Diagnostics()
-        for node, reply in self._expected(t, replies):
-            try:
-                content = reply_content(reply)
-                values = masked_upload(content, agg.params.padded_dim, agg.params.bits)
-            except RejectedUpdate as err:
-                agg.reject(err.reason, f"node {node}", str(err))
-                secagg.fail("collect", node, str(err))
-                continue
-            agg.add_masked(node, values)
-            diagnostics.uplink.append(record_nbytes(content.array_records[SECAGG]))
-        for node in secagg.shared - set(agg.survivors):
-            secagg.fail("collect", node, "no reply")
-
-        def metrics(aborted: bool) -> dict[str, float]:
-            return {**self._round_metrics(), "cohort_dropped": float(secagg.dropped_before_upload()),
-                    "secagg_aborted": float(aborted), "secagg_integrity_refused": 0.0,
-                    "secagg_survivors": float(len(agg.survivors)),
-                    **secagg.failure_metrics()}
-
-        if not secagg.shared:  # aborted before the model was sent (logged then): no message went out, no reply came
-            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(True)})
-        try:
-            secagg.check(agg.survivors)
-        except SecAggAborted as err:
-            log.error("%s: nothing released, nothing accounted", err)
-            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(True)})
-        self._report_rejections(agg)
-        agg.unmask = lambda: secagg.unmask(agg.survivors, agg.params.padded_dim)
-        try:
-            released = self.mechanism.release(agg, t)
-        except SecAggAborted as err:
-            log.error("%s: nothing released; the release logged ahead stays accounted", err)
-            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(True)})
-        except IntegrityCheckFailed as err:
-            log.error("round %d refused: %s; nothing released, the release logged ahead stays accounted", t, err)
-            return self._record, MetricRecord({**self._epsilon_metrics(), **metrics(False),
-                                               "secagg_integrity_refused": 1.0})
-        return self._finish(agg, released, diagnostics, metrics(False))
-
-    def _rotation_seed(self, t: int) -> int:
-        """The round's public rotation seed: from the OS, or (a seeded simulation) from the seed and the round."""
-        seed = self.mechanism.seed
-        if seed is None:
-            return secrets.randbits(63)
-        return int(np.random.SeedSequence([seed, ROTATION_STREAM, t]).generate_state(1, np.uint64)[0] >> 1)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -565,8 +456,7 @@ class DPFedAvg(Strategy):
         if arrays is not self._record:
             self.params, self.layout = record_to_layout(arrays, self.device)
             self._record = arrays
-            if isinstance(self.mechanism, SkellamMechanism):  # its scale and sensitivities depend on d
-                self.mechanism.dim = self.params.numel()
+            self.aggregation.adopt(self.mechanism, self.params.numel())
 
     def use_population(self, nodes: Sequence[int], labels: Sequence[int] | None = None) -> None:
         """Sample over ``nodes`` (in this order) instead of the registered nodes in the strategy's own order
@@ -684,8 +574,9 @@ class DPFedAvg(Strategy):
 
     def _broadcast(self, t: int, config: ConfigRecord) -> dict[str, ArrayRecord | ConfigRecord]:
         """What every sampled node receives in round ``t``: ``x_t``, the config (with the round, C_t, the
-        noise epoch after a re-run of released rounds, DiSK's ``c``) and DiSK's lookahead ``x_t + gamma
-        d_{t-1}``, a function of released values only."""
+        noise epoch after a re-run of released rounds) and what the server step's parts add
+        (:meth:`ServerStep.broadcast <fedprivacy.optim.server_step.ServerStep.broadcast>`: DiSK's lookahead
+        ``x_t + gamma d_{t-1}`` and ``c``), functions of released values only."""
         assert self.params is not None and self._record is not None
         round_config = ConfigRecord({**config, "server-round": t, "clip-norm": float(self.mechanism.clip_norm)})
         if self.mechanism.epoch:  # simulated clients draw fresh noise streams too
@@ -693,28 +584,28 @@ class DPFedAvg(Strategy):
         if self.node_content is not None:
             round_config.update(self.node_content.config())
         content: dict[str, ArrayRecord | ConfigRecord] = {"arrays": self._record, "config": round_config}
-        lookahead = self.step.lookahead(self.params)
-        if lookahead is not None and self.step.disk is not None:
-            content["lookahead"] = layout_to_record(lookahead, self.layout)
-            round_config["disk-c"] = self.step.disk.c
-        sparse = getattr(self.optimizer, "downlink_bytes", None)  # DP-MicroAdam: x_t - x_{t-1} is sparse
-        model_bytes = sparse() if sparse is not None and t > 1 else 4 * self.params.numel()
-        self._downlink = model_bytes + (4 * self.params.numel() if lookahead is not None else 0)
+        extra = self.step.broadcast(self.params)
+        if taken := sorted(set(extra.arrays) & set(content)):
+            raise ValueError(f"the server step adds {taken[0]!r} to the broadcast, a record the strategy sends")
+        content.update((name, layout_to_record(array, self.layout)) for name, array in extra.arrays.items())
+        round_config.update(extra.config)
+        self._downlink = self.step.downlink_bytes(self.params, t, extra)
         return content
 
-    def _aggregator(self) -> PrivateSum:
-        """The round's streaming clip-and-sum at C_t; its noise starts drawing now if not already."""
+    def aggregator(self) -> PrivateSum:
+        """The round's sum from the mechanism (:meth:`~fedprivacy.privacy.mechanism.GaussianMechanism.aggregator`:
+        the streaming clip-and-sum at C_t); its noise starts drawing now if not already."""
         assert self.params is not None
         agg = self.mechanism.aggregator(self.params.numel())
         if self.prefetch_noise:
             self.mechanism.prefetch(agg)  # round 1 or after a resume; else already drawing since the last round
         return agg
 
-    def _collect(self, t: int, replies: Iterable[Message], agg: PrivateSum) -> _Diagnostics:
+    def collect(self, t: int, replies: Iterable[Message], agg: PrivateSum) -> Diagnostics:
         """Stream the replies into ``agg``, each accepted or rejected with its reason; a reply from a node
         not sampled this round, or a second one, is dropped (a node never contributes twice)."""
-        diagnostics = _Diagnostics()
-        for node, reply in self._expected(t, replies):
+        diagnostics = Diagnostics()
+        for node, reply in self.answers(t, replies):
             if self.node_content is not None:
                 self.node_content.acknowledge(node, not reply.has_error())
             try:
@@ -726,7 +617,7 @@ class DPFedAvg(Strategy):
                 diagnostics.add(reply.content)
         return diagnostics
 
-    def _expected(self, t: int, replies: Iterable[Message]) -> Iterator[tuple[int, Message]]:
+    def answers(self, t: int, replies: Iterable[Message]) -> Iterator[tuple[int, Message]]:
         """``(node, reply)`` for each reply of a node sampled this round that has not answered yet; any other reply
         is dropped with a WARNING (a node never contributes twice)."""
         for reply in replies:
@@ -751,7 +642,7 @@ class DPFedAvg(Strategy):
             raise RejectedUpdate("unaccounted", str(err)) from None
         return reply_to_update(content, self.params, self.layout)
 
-    def _report_rejections(self, agg: PrivateSum) -> None:
+    def report_rejections(self, agg: PrivateSum) -> None:
         """One warning per rejection reason; an error (and a record in ``empty_rounds``) when nothing was accepted."""
         for line in agg.stats.rejection_warnings():
             log.warning("round %d: %s", self.round, line)
@@ -771,8 +662,7 @@ class DPFedAvg(Strategy):
         out.update(agg.stats.as_metrics(), clip_norm=released.clip_norm, server_noise_std=agg.server_noise_std())
         if released.unclipped_fraction is not None:
             out["unclipped_fraction_released"] = released.unclipped_fraction
-        if isinstance(self.optimizer, ServerAdamBC):  # where bias correction can matter (Tang et al., arXiv:2312.14334)
-            out["adambc_floored_fraction"] = self.optimizer.floored_fraction
+        out.update(self.step.metrics())  # e.g. DP-FedAdamBC's floored fraction
         if len(self.client_ledgers):
             out["client_epsilon_max"] = max(self.client_epsilons().values())
         return out
@@ -792,11 +682,7 @@ def _check_accounting(mechanism: GaussianMechanism, budget_accountant: Accountan
         return
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0):
         raise ValueError(f"target_epsilon must be a number > 0 (or None: no budget), got {target_epsilon!r}")
-    if isinstance(mechanism, SkellamMechanism):  # its rounds state their own RDP curve (planned once d is known)
-        ok, what = budget_accountant == "rdp", "secure_aggregation's Skellam rounds"
-    else:
-        event = mechanism.event()
-        ok, what = accounts([(event, 1)], budget_accountant), type(event).__name__
+    ok, what = mechanism.budget_accountable(budget_accountant)
     if not ok:
         raise ValueError(f"budget_accountant={budget_accountant!r} cannot account {what}, the releases of noise_stream="
                          f"{stream_name(mechanism.noise_stream)} with sampling={mechanism.sampling!r}: use 'rdp' (it "

@@ -116,6 +116,11 @@ class ServerAdamBC(AdaptiveServerOptimizer):
             raise ValueError(f"phi must be >= 0, got {phi}")
         self.phi = phi
 
+    def metrics(self) -> dict[str, float]:
+        """``adambc_floored_fraction``: the share of coordinates whose ``v_hat - Phi`` hit γ′ at the last step
+        (where bias correction can matter; Tang et al., arXiv:2312.14334v1, §4)."""
+        return {"adambc_floored_fraction": self.floored_fraction}
+
     def _accumulate_(self, v: torch.Tensor, g: torch.Tensor) -> None:
         adam_second_moment_(v, g, self.beta2)
         self.phi_ema = self.beta2 * self.phi_ema + (1.0 - self.beta2) * self.phi

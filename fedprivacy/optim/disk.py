@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from fedprivacy.optim.broadcast import StepBroadcast
+from fedprivacy.privacy.combination import Combination
 from fedprivacy.updates import SparseUpdate
 
 
@@ -86,6 +88,21 @@ class DiskFilter:
         if self.kappa == 1.0 or self.displacement is None:
             return None
         return params + self.gamma * self.displacement
+
+    def refusal(self, combination: Combination) -> str | None:
+        """Noise correlated across rounds: the filter's ``V_t`` (module docstring) assumes it independent."""
+        if combination.independent_noise:
+            return None
+        return (f"DiSK (disk_kappa={self.kappa}) models noise independent across rounds; noise_stream="
+                f"{combination.noise_stream} correlates it (use one or the other)")
+
+    def broadcast(self, params: torch.Tensor) -> StepBroadcast:
+        """The lookahead ``x_t + gamma d_{t-1}`` (record ``lookahead``) and ``c`` (config ``disk-c``) for the clients'
+        second pass; nothing when one pass from ``x_t`` is the whole update (:meth:`lookahead`)."""
+        lookahead = self.lookahead(params)
+        if lookahead is None:
+            return StepBroadcast()
+        return StepBroadcast({"lookahead": lookahead}, {"disk-c": self.c})
 
     def filter_(self, g: torch.Tensor, noise_variance: float = 0.0) -> torch.Tensor:
         """``g~ <- (1 - kappa) g~ + kappa g`` (``g~ = g`` on the first call); returns ``g~``.

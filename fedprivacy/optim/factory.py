@@ -143,14 +143,20 @@ def check_settings(name: str, given: set[str]) -> None:
 
 
 def build_server_optimizer(optimizer: OptimizerName | ServerOptimizerFactory, lr: float,
-                           settings: Mapping[str, Any]) -> ServerOptimizer:
+                           settings: Mapping[str, Any], phi: float | None = None) -> ServerOptimizer:
     """The optimizer named (:func:`make_server_optimizer`) or ``optimizer(lr, **settings)`` for a factory.
+
+    ``phi``: Phi_0, the noise variance per coordinate of the first release (the mechanism's
+    :meth:`~fedprivacy.privacy.mechanism.GaussianMechanism.phi`), given to a named optimizer that requires it at
+    construction (``adambc``) unless ``settings`` sets it; later rounds' Phi_t reach it through ``set_phi``
+    (:class:`~fedprivacy.optim.server_step.ServerStep`).
 
     Raises:
         ValueError: naming the setting or the factory that refuses them.
     """
     if isinstance(optimizer, str):
-        return make_server_optimizer(optimizer, lr=lr, **settings)
+        needs_phi = phi is not None and "phi" in _REQUIRED.get(optimizer, ())
+        return make_server_optimizer(optimizer, lr=lr, **{**({"phi": phi} if needs_phi else {}), **settings})
     try:
         return optimizer(lr, **settings)
     except TypeError as err:

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple, get_args
 import numpy as np
 import torch
 
-from fedprivacy.privacy.accounting import (AccountantKind, PrivacyLedger, epsilons,
+from fedprivacy.privacy.accounting import (AccountantKind, PrivacyLedger, accounts, epsilons,
                                            would_exceed)
 from fedprivacy.privacy.bounds import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER, check_noise_std
 from fedprivacy.privacy.adaptive_clipping import AdaptiveClip, value_noise_multiplier
@@ -276,6 +276,11 @@ class GaussianMechanism:
         for release in range(self.next_release, self.next_release + releases):
             ledger.compose(self.event_at(release))
         return ledger
+
+    def budget_accountable(self, kind: AccountantKind) -> tuple[bool, str]:
+        """Whether ``kind`` can account this mechanism's releases (its budget check needs it), and what they are."""
+        event = self.event()
+        return accounts([(event, 1)], kind), type(event).__name__
 
     def would_exceed(self, delta: float, kind: AccountantKind, target: float) -> bool:
         """Whether the NEXT release would take epsilon above ``target`` (invariant 8: ask before)."""

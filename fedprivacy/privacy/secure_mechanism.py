@@ -102,6 +102,10 @@ class SkellamMechanism(GaussianMechanism):
             return super().event_at(release)
         return self.params().event(self.expected_cohort, self.expected_cohort / self.population)
 
+    def budget_accountable(self, kind: AccountantKind) -> tuple[bool, str]:
+        """RDP only: its rounds state their own RDP curve (planned once ``d`` is known)."""
+        return kind == "rdp", "secure_aggregation's Skellam rounds"
+
     def would_exceed(self, delta: float, kind: AccountantKind, target: float) -> bool:
         """Whether the next release could take epsilon above ``target``: with as few as ``min_shares`` survivors
         (invariant 8 whatever drops out)."""

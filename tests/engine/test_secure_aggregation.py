@@ -349,7 +349,7 @@ M, HONEST = 10, SecureAggregation(threshold=4, neighbours=5, bits=BITS)
 def _malicious(monkeypatch, server_round, client_app=None):
     """One round of the strategy with ``server_round`` (a ``SecAggRound`` whose messages lie) against the real
     SecAgg+ mod on ``M`` honest clients configured with ``HONEST``."""
-    monkeypatch.setattr("fedprivacy.fl.strategy.SecAggRound", server_round)
+    monkeypatch.setattr("fedprivacy.fl.aggregation.SecAggRound", server_round)  # the secure part runs it
     strategy = DPFedAvg(noise_multiplier=0.0, clip_norm=C, expected_cohort=M, population=M, placement="distributed",
                         secure_aggregation=HONEST)
     mod = secure_aggregation_mod(noise_multiplier=0.0, clip_norm=C, expected_cohort=M, bits=BITS,
