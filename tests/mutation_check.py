@@ -108,7 +108,6 @@ MUTATIONS = [
  ("fedprivacy/privacy/canary_estimates.py", "    return np.maximum(running, cos)", "    return cos", "tests/privacy/test_canary_every_round.py -k maximum_over_rounds"),
  ("fedprivacy/fl/canaries.py", "\"round_max\": None if self.round_max is None else self.round_max.tolist()}", "\"round_max\": None}", "tests/engine/test_canary_reports.py -k bit_exactly"),
  ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # stds equal up to rounding", "    if False:  # stds equal up to rounding", "tests/privacy/test_canary_every_round.py -k round_alike"),
- ("fedprivacy/fl/canaries.py", "    if base + count - 1 <= MAX_NODE_ID:", "    if True:", "tests/engine/test_canary_reports.py -k node_ids"),
  ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k each_rounds_model_change"),
  # a stop between rounds checkpoints every release made
  ("fedprivacy/fl/strategy.py", "                if self.round < num_rounds and any(hook.stop_requested() for hook in self.hooks):", "                if False:", "tests/engine/test_graceful_stop.py -k bit_identically"),
@@ -133,7 +132,7 @@ MUTATIONS = [
  ("fedprivacy/config.py", "        if self.engine != \"inprocess\":\n            raise ValueError(f\"privacy.canaries", "        if False:\n            raise ValueError(f\"privacy.canaries", "tests/engine/test_canaries.py -k refused"),
  ("fedprivacy/fl/canaries.py", "CANARY_NORM = 2.0", "CANARY_NORM = 0.25", "tests/engine/test_canaries_cross_round.py -k separation"),
  ("fedprivacy/fl/canaries.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
- ("fedprivacy/fl/server_app.py", "                self.canaries.load_state_dict(checkpoint[\"canaries\"])\n", "                pass\n", "tests/engine/test_canaries.py -k resume"),
+ ("fedprivacy/fl/run_hooks.py", "        self.canaries.load_state_dict(state[\"canaries\"])\n", "        pass\n", "tests/engine/test_canaries.py -k resume"),
 ]
 
 for path, old, new, test in MUTATIONS:

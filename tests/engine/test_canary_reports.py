@@ -19,7 +19,7 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.experiments.canary_report import RunSummaryError, estimates_line, load_run_summary
 from fedprivacy.experiments.docs import render_docs, stale_tables
 from fedprivacy.experiments.progress import RunProgress
-from fedprivacy.fl.canaries import MAX_NODE_ID, RunCanaries, canary_node_ids
+from fedprivacy.fl.canaries import RunCanaries
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import DPFedAvgServer
 from fedprivacy.run import run
@@ -101,19 +101,6 @@ def test_a_run_folder_without_canaries_is_named(small_config, capsys):
     with pytest.raises(RunSummaryError, match="version None, expected 1"):
         (cfg.output_dir / "x.json").write_text("{}")
         load_run_summary(cfg.output_dir / "x.json")
-
-
-@given(users=st.sets(st.integers(0, MAX_NODE_ID), max_size=6), count=st.integers(0, 8))
-def test_canary_node_ids_are_new_and_valid_whatever_the_users_ids(users, count):
-    """Real SuperNodes have random 64-bit ids, possibly next to the largest one."""
-    ids = canary_node_ids(users, count)
-    assert len(set(ids)) == count and not set(ids) & users and all(1 <= i <= MAX_NODE_ID for i in ids)
-    if users and max(users) + count <= MAX_NODE_ID:
-        assert ids == list(range(max(users) + 1, max(users) + 1 + count))  # the in-process engine's: after the users'
-
-
-def test_canary_node_ids_next_to_the_largest_id():
-    assert canary_node_ids([MAX_NODE_ID - 1, 1, 3], 3) == [2, 4, 5]
 
 
 def test_the_every_round_statistic_scores_each_rounds_model_change():
