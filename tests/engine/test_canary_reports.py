@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.serverapp import ServerApp
-from hypothesis import given
-from hypothesis import strategies as st
 from rich.console import Console
 
 from fedprivacy.audit import BROKEN_VARIANTS
