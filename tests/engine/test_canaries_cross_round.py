@@ -133,8 +133,9 @@ def _releases(cfg, resume: bool) -> list[torch.Tensor]:
 
     @app.main()
     def main(grid, context):
-        server = DPFedAvgServer(cfg, task, on_round=lambda t, row: models.append(server.params.detach().clone()))
-        server.run(grid, resume=resume)
+        server = DPFedAvgServer(cfg, task, on_round=lambda t, row: models.append(server.params.detach().clone()),
+                                resume=resume)
+        server.run(grid)
 
     run_inprocess(app, build_client_app(cfg), population_with_canaries(cfg, task.population))
     return models

@@ -17,13 +17,13 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.experiments.canary_report import RunSummaryError, estimates_line, load_run_summary
 from fedprivacy.experiments.docs import render_docs, stale_tables
 from fedprivacy.experiments.progress import RunProgress
-from fedprivacy.fl.canaries import RunCanaries
+from fedprivacy.fl.canaries import RunCanaries, population_with_canaries
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import DPFedAvgServer
 from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task
 
-CANARIES = ("privacy.canaries={count: 40, unused: 100, seed: 3}", "privacy.delta=1e-5", "privacy.noise_multiplier=1.0",
+CANARIES = ("privacy.canaries={count: 40, unused: 100, seed: 3, every_round: true}", "privacy.delta=1e-5", "privacy.noise_multiplier=1.0",
             "privacy.budget_accountant=pld", "rounds=20", "eval_every=20", "checkpoint_every=20")
 
 
@@ -75,13 +75,13 @@ def test_too_little_noise_exceeds_the_claim_in_the_every_round_statistic(small_c
     def main_(grid, context):
         out["summary"] = DPFedAvgServer(cfg, task, strategy_cls=BROKEN_VARIANTS["noise_over_cohort"]).run(grid)
 
-    run_inprocess(app, build_client_app(cfg), task.population)
+    run_inprocess(app, build_client_app(cfg), population_with_canaries(cfg, task.population))
     e = out["summary"]["empirical_epsilon"]
     assert e["every_round"]["andrew"]["interval"][0] > out["summary"]["epsilon_pld"]
 
 
 def test_a_resumed_run_keeps_the_every_round_statistic_bit_exactly(small_config, tmp_path):
-    opts = ("privacy.canaries={count: 8, unused: 10, seed: 5}", "privacy.delta=1e-5", "checkpoint_every=2")
+    opts = ("privacy.canaries={count: 8, unused: 10, seed: 5, every_round: true}", "privacy.delta=1e-5", "checkpoint_every=2")
     run(small_config("rounds=2", *opts, f"output_dir={tmp_path / 'part'}"))
     resumed = run(small_config("rounds=4", *opts, f"output_dir={tmp_path / 'part'}"), resume=True)
     full = run(small_config("rounds=4", *opts, f"output_dir={tmp_path / 'full'}"))
