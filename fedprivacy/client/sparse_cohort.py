@@ -140,8 +140,9 @@ class _Plan:
         self.nnz_per_step = np.diff(self.nnz_at).tolist()
 
     def steps(self) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """Each step's ``(columns, offsets, values, targets, indices, scaled)``: views of the plan's arrays, cut by
-        one ``split`` per array (not sliced step by step: the loop then pays only its kernels)."""
+        """``(columns, offsets, values, targets, indices, scaled)``, each a sequence of one view per step (zipped:
+        each step's inputs), cut by one ``split`` per array (not sliced step by step: the loop then pays only its
+        kernels)."""
         rows, nnz = self.rows_per_step, self.nnz_per_step
         return (self.indices[0].split(nnz), self.offsets.split(rows), self.values.split(nnz),
                 self.targets.split(rows), self.indices.split(nnz, dim=1), self.scaled.split(nnz))
