@@ -3,7 +3,7 @@
 Each chunk of :func:`~fedprivacy.client.sparse_cohort.train_sparse_cohort` allocates its rows :math:`X` and their
 copy afresh (about 15 MB each at 500 tags). glibc's ``malloc`` serves blocks of that size with a fresh ``mmap``
 (above its dynamic threshold, which stops at 32 MB) or returns a freed heap top to the OS (above its trim
-threshold), so every chunk page-faults and zeroes its buffers again: about 90,000 minor faults (350 MB) per
+threshold), so every chunk page-faults and zeroes its buffers again: about 100,000 minor faults (400 MB) per
 quickstart round. :func:`keep_freed_memory` fixes the first at 32 MB, raises the second and pads the heap's growth,
 so the freed blocks stay mapped and are reused; the process's resident size then stays at its peak instead of
 shrinking between rounds. Only the allocator's bookkeeping changes: no value computed differs.
