@@ -75,21 +75,20 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
     plan = _Plan.build([local for _, local in supports], starts, counts, rngs, epochs, batch_size,
                        loss.concat([y for _, y in clients]), loss, device,
                        None if inverse is None or inverse.shape[1] > 1 else inverse[:, 0])
-    losses = torch.empty(len(plan.owner), dtype=x.dtype, device=device)  # each row's loss, in step order
-    for j in range(len(plan.row_at) - 1):
-        r0, r1, k0, k1 = plan.row_at[j], plan.row_at[j + 1], plan.nnz_at[j], plan.nnz_at[j + 1]
-        logits = torch.nn.functional.embedding_bag(plan.indices[0, k0:k1], x, plan.offsets[r0:r1], mode="sum",
-                                                   per_sample_weights=plan.values[k0:k1])
-        g, losses[r0:r1] = loss.gradient(logits, plan.targets[r0:r1])  # the 1 / B is in the backward's values
-        xt = torch.sparse_coo_tensor(plan.indices[:, k0:k1], plan.scaled[k0:k1], (len(x), r1 - r0),
-                                     check_invariants=False)
-        if inverse is None or inverse.shape[1] == 1:
+    losses = torch.empty(len(plan.owner), dtype=x.dtype, device=device)  # each row's loss statistic, in step order
+    diagonal = inverse is None or inverse.shape[1] == 1
+    for step in zip(*plan.steps(), losses.split(plan.rows_per_step)):
+        columns, offsets, values, targets, indices, scaled, step_losses = step
+        logits = torch.embedding_bag(x, columns, offsets, False, 0, False, values)[0]  # mode 0: sum
+        g = loss.gradient_into(logits, targets, step_losses)  # the 1 / B is in the backward's values
+        xt = torch.sparse_coo_tensor(indices, scaled, (len(x), len(offsets)), check_invariants=False)
+        if diagonal:
             torch.addmm(x, xt, g, alpha=-lr, out=x)
         else:
             x.addcmul_(torch.sparse.mm(xt, g), inverse, value=-lr)
     x.sub_(start)
     loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(
-        0, plan.owner, losses.double()).tolist()
+        0, plan.owner, loss.losses_(losses).double()).tolist()
     dim = sum(p.numel() for p in model.parameters())
     results = []
     for i, (client_blocks, _) in enumerate(supports):
@@ -137,6 +136,16 @@ class _Plan:
 
     def __init__(self, **arrays: torch.Tensor | np.ndarray) -> None:
         self.__dict__.update(arrays)
+        self.rows_per_step = np.diff(self.row_at).tolist()
+        self.nnz_per_step = np.diff(self.nnz_at).tolist()
+
+    def steps(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """``(columns, offsets, values, targets, indices, scaled)``, each a sequence of one view per step (zipped:
+        each step's inputs), cut by one ``split`` per array (not sliced step by step: the loop then pays only its
+        kernels)."""
+        rows, nnz = self.rows_per_step, self.nnz_per_step
+        return (self.indices[0].split(nnz), self.offsets.split(rows), self.values.split(nnz),
+                self.targets.split(rows), self.indices.split(nnz, dim=1), self.scaled.split(nnz))
 
     @classmethod
     def build(cls, locals_: Sequence[LocalRows], starts: np.ndarray, counts: np.ndarray,

@@ -383,9 +383,25 @@ def _entry(name: bytes, feature: bytes) -> bytes:
     return _delimited(b"\x0a", _delimited(b"\x0a", name) + _delimited(b"\x12", feature))
 
 
+def _length(n: int) -> bytes:
+    """The varint length prefix of an ``n``-byte payload."""
+    return _ONE_BYTE_VARINTS[n] if n < 0x80 else _varint(n)
+
+
 def _bytes_entry(name: bytes, value: str) -> bytes:
-    """Entry of a one-value ``bytes_list`` feature (Feature field 1, BytesList field 1)."""
-    return _entry(name, _delimited(b"\x0a", _delimited(b"\x0a", value.encode("utf-8"))))
+    """Entry of a one-value ``bytes_list`` feature (Feature field 1, BytesList field 1): ``_entry(name,
+    _delimited(0a, _delimited(0a, value)))``, the nested lengths added up first and the bytes joined once (each
+    ``_delimited`` would copy the payload again; this runs for every example of the generated data)."""
+    data = value.encode("utf-8")
+    n_value = len(data)
+    value_len = _length(n_value)
+    n_list = 1 + len(value_len) + n_value
+    list_len = _length(n_list)
+    n_feature = 1 + len(list_len) + n_list
+    feature_len = _length(n_feature)
+    n_entry = 2 + len(name) + 1 + len(feature_len) + n_feature  # names are shorter than 128 bytes
+    return b"".join((b"\x0a", _length(n_entry), b"\x0a", _ONE_BYTE_VARINTS[len(name)], name, b"\x12", feature_len,
+                     b"\x0a", list_len, b"\x0a", value_len, data))
 
 
 def _int64_entry(name: bytes, value: int) -> bytes:
@@ -428,8 +444,8 @@ class _Block:
         tails = [_bytes_entry(b"type", t) for t in cols["type"]]
         blobs = []
         for post, sentence in zip(self.post_of.tolist(), self.sentences):
-            body = heads[post] + _bytes_entry(b"tokens", sentence) + tails[post]
-            blobs.append(_delimited(b"\x0a", body))
+            head, tokens, tail = heads[post], _bytes_entry(b"tokens", sentence), tails[post]
+            blobs.append(b"".join((b"\x0a", _length(len(head) + len(tokens) + len(tail)), head, tokens, tail)))
         return blobs
 
 

@@ -57,6 +57,7 @@ from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
 from fedprivacy.client.sparse_cohort import train_sparse_cohort, trains_in_closed_form
 from fedprivacy.client.trainer import LocalResult, client_generator
 from fedprivacy.config import ConfigError, RunConfig
+from fedprivacy.engines.heap import keep_freed_memory
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.canaries import CANARY_RECORD
 from fedprivacy.fl.client_app import ClientJob, LastDecoded, client_reply, combine_disk_passes
@@ -150,6 +151,8 @@ class CohortTrainer:
         self.chunk = SPARSE_CHUNK_EXAMPLES if self.sparse else chunk_size(self.model)
         self.threads = threads if self.sparse else 1
         self._loaded = None  # the broadcast record the model holds
+        if self.sparse:
+            keep_freed_memory()  # each chunk's fresh rows reuse the last chunk's memory (fedprivacy.engines.heap)
 
     def handles(self, messages: Sequence[Message]) -> bool:
         """Whether these are ``train`` messages (no SecAgg+ stage, no canary: :mod:`fedprivacy.fl.canaries`; a DiSK

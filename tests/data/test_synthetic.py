@@ -10,12 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedprivacy.data.example_proto import decode_example, encode_example
 from fedprivacy.data.stackoverflow import read_tag_counts, read_word_counts
 from fedprivacy.data.synthetic import (DEFAULT_MAX_EXAMPLES, SYNTHETIC_MARKER, TFF_MEAN_EXAMPLES,
-                                       TFF_MIN_EXAMPLES, SyntheticFiles, _sizes, _user_splits,
-                                       _world, generate)
+                                       TFF_MIN_EXAMPLES, SyntheticFiles, _bytes_entry, _length, _sizes,
+                                       _user_splits, _world, generate)
 
 DATE = re.compile(rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC")
 
@@ -268,6 +270,17 @@ def test_fast_encoder_is_byte_identical_to_encode_example() -> None:
             expected = [encode_example({name: rows[name][i] for name in rows})
                         for i in range(len(again))]
             assert again.blobs() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from([b"creation_date", b"tags", b"title", b"tokens", b"type"]),
+       value=st.one_of(st.text(max_size=40), st.text(min_size=100, max_size=400),
+                       st.builds(str.__mul__, st.text(alphabet="ab\u00e9\u4e2d", min_size=1, max_size=4),
+                                 st.integers(1_000, 6_000))))
+def test_a_bytes_entry_is_byte_identical_to_encode_example(name: bytes, value: str) -> None:
+    """Crafted values whose lengths need 1, 2 or 3 varint bytes at each nesting level (value, list, feature, entry;
+    multi-byte UTF-8 included): the generator's one-join entry is the entry of ``encode_example``."""
+    assert encode_example({name.decode(): value}) == b"\x0a" + _length(len(entry := _bytes_entry(name, value))) + entry
 
 
 def test_users_are_non_iid(decoded: list) -> None:

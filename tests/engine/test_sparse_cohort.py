@@ -1,5 +1,11 @@
 """The tag model's clients trained together (issue 33): equal to one-at-a-time local SGD within float rounding."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -8,7 +14,7 @@ from fedprivacy.client.sparse_cohort import train_sparse_cohort
 from fedprivacy.client.trainer import client_generator, local_sgd
 from fedprivacy.engines import cohorts
 from fedprivacy.engines.cohorts import chunks_by_examples, cohort_trainer
-from fedprivacy.models.logit_losses import SIGMOID_BINARY_CROSS_ENTROPY, closed_form_loss
+from fedprivacy.models.logit_losses import SIGMOID_BINARY_CROSS_ENTROPY, SOFTMAX_CROSS_ENTROPY, closed_form_loss
 from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task
 
@@ -117,3 +123,51 @@ def test_multilabel_clients_trained_together_equal_autograd_local_sgd_one_at_a_t
             assert result.train_loss == pytest.approx(autograd.train_loss, rel=1e-5)
             assert result.num_examples == autograd.num_examples
         assert dense.abs().max() > 1e-3  # they trained
+
+
+@pytest.mark.parametrize("name", ["softmax", "sigmoid"])
+def test_a_loss_written_into_a_statistic_equals_its_gradient_and_loss_exactly(name):
+    """``gradient_into`` + ``losses_`` (the cohort's loop: the losses finished once for all steps) is ``gradient``."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(23, 7, generator=gen) * 4
+    if name == "softmax":
+        loss, targets = SOFTMAX_CROSS_ENTROPY, torch.randint(0, 7, (23,), generator=gen)
+    else:
+        loss, targets = SIGMOID_BINARY_CROSS_ENTROPY, (torch.rand(23, 7, generator=gen) < 0.3).float()
+    g, losses = loss.gradient(logits.clone(), targets)
+    statistic = torch.full((23,), float("nan"))
+    g_into = loss.gradient_into(logits.clone(), targets, statistic)
+    assert torch.equal(g_into, g)
+    assert torch.equal(loss.losses_(statistic), losses)
+
+
+def _heap_of_a_chunk_buffer(keep: bool) -> dict[str, int]:
+    """glibc's ``mallinfo2`` around a 15 MB buffer (a chunk's rows) allocated then freed, in a fresh process: the
+    bytes it added to mmapped blocks, to the heap (``arena``) and what freeing it took back from the heap."""
+    code = ("import ctypes, json, torch\n"
+            "from fedprivacy.engines.heap import keep_freed_memory\n"
+            f"assert {keep} is False or keep_freed_memory()\n"
+            "class Info(ctypes.Structure):\n"
+            "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd',\n"
+            "                                               'usmblks', 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
+            "info = ctypes.CDLL('libc.so.6').mallinfo2\n"
+            "info.restype = Info\n"
+            "before = info()\n"
+            "x = torch.empty(15 << 18)\n"
+            "held = info()\n"
+            "del x\n"
+            "after = info()\n"
+            "print(json.dumps({'mmapped': held.hblkhd - before.hblkhd, 'heap': held.arena - before.arena,\n"
+            "                  'trimmed': held.arena - after.arena}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_freed_chunk_buffer_stays_in_the_heap():
+    """After ``keep_freed_memory`` a chunk-sized buffer comes from the heap and its memory stays there when freed
+    (the next chunk's buffers reuse it, already mapped); by default it is a fresh ``mmap``, unmapped when freed."""
+    kept, default = _heap_of_a_chunk_buffer(True), _heap_of_a_chunk_buffer(False)
+    assert kept["mmapped"] == 0 and kept["heap"] >= 15 << 20 and kept["trimmed"] == 0
+    assert default["mmapped"] >= 15 << 20
