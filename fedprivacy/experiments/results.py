@@ -130,6 +130,21 @@ def _ledger_rounds(ledger_json: str) -> int:
     return sum(e["count"] for e in json.loads(ledger_json)["entries"])
 
 
+def read_metrics(folder: Path) -> pd.DataFrame:
+    """A run's ``metrics.csv`` (no rows: none yet, or a live run rewriting it for new columns at this moment).
+
+    Raises:
+        ValueError: the file is not a table, naming it.
+    """
+    path = folder / "metrics.csv"
+    try:
+        return pd.read_csv(path)
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        return pd.DataFrame()
+    except (pd.errors.ParserError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a metrics table ({err})") from None
+
+
 def _final(series: pd.Series) -> float:
     values = series.dropna()
     return float(values.iloc[-1]) if len(values) else math.nan
@@ -176,7 +191,7 @@ def load_results(output_dir: str | Path) -> StudyResults:
                  "budget_epsilon": budget_eps.get(r["budget"], math.nan), "seed": r["seed"],
                  "hparams": hparams_label(r["hparams"])}
         summary = read_summary(folder) if run_state(folder) == "finished" else None
-        metrics = pd.read_csv(folder / "metrics.csv") if (folder / "metrics.csv").exists() else pd.DataFrame()
+        metrics = read_metrics(folder)
         row: dict[str, Any] = {**ident, **{f"hp.{k}": r["hparams"].get(k) for k in hp_keys},
                                "finished": summary is not None, "failed": (folder / ERROR_FILE).exists()}
         if len(metrics):

@@ -6,11 +6,13 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fedprivacy.run
 from fedprivacy.cli import main
 from fedprivacy.experiments.report import markdown_table, write_report
-from fedprivacy.experiments.results import load_results, without_wall_time
+from fedprivacy.experiments.results import load_results, read_metrics, without_wall_time
 from fedprivacy.experiments.study import build_study, expand
 from fedprivacy.experiments.sweep import manifest
 from fedprivacy.privacy.accounting import GaussianRound, PrivacyLedger, epsilon
@@ -96,6 +98,33 @@ def test_unfinished_and_failed_runs_are_listed_not_averaged(tmp_path):
     assert math.isnan(summary.loc["B", "final_test_accuracy_std"])
     report = write_report(tmp_path / "fake").read_text()
     assert f"`{b0.run_id}`: failed" in report
+
+
+def test_a_live_runs_empty_metrics_file_reads_as_no_rounds_yet(tmp_path):
+    """A study reported while it runs: a run that has written no row yet, or is rewriting its metrics.csv for new
+    columns at that moment, is an unfinished run with no rounds, not an error."""
+    _, specs, _ = _fake_study(tmp_path / "fake")
+    b0 = next(s for s in specs if s.method == "B" and s.seed == 0)
+    folder = tmp_path / "fake" / "runs" / b0.run_id
+    (folder / "summary.json").unlink()
+    (folder / "metrics.csv").write_text("")
+    r = load_results(tmp_path / "fake")
+    assert r.incomplete == [b0.run_id]
+    assert r.runs.set_index("run_id").loc[b0.run_id, "rounds_completed"] == 0
+
+
+@given(content=st.binary(max_size=200))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_metrics_file_reads_as_a_table_or_an_error_naming_it(tmp_path, content):
+    (tmp_path / "metrics.csv").write_bytes(content)
+    try:
+        table = read_metrics(tmp_path)
+    except ValueError as err:
+        assert str(err).startswith(f"{tmp_path / 'metrics.csv'}: not a metrics table")
+    else:
+        assert isinstance(table, pd.DataFrame)
+    (tmp_path / "metrics.csv").unlink()
+    assert read_metrics(tmp_path).empty  # no file yet
 
 
 def test_report_regenerates_tables_figures_and_markdown_without_rerunning(tmp_path, monkeypatch, capsys):
