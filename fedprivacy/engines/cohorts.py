@@ -59,7 +59,7 @@ from fedprivacy.client.trainer import LocalResult, client_generator
 from fedprivacy.config import ConfigError, RunConfig
 from fedprivacy.engines.heap import keep_freed_memory
 from fedprivacy.engines.processes import run_processes
-from fedprivacy.fl.canaries import CANARY_RECORD
+from fedprivacy.fl.canary_client import CANARY_RECORD
 from fedprivacy.fl.client_app import ClientJob, LastDecoded, client_reply, combine_disk_passes
 from fedprivacy.fl.records import load_record_
 from fedprivacy.fl.side_information import node_side_information

@@ -33,7 +33,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedprivacy.engines.processes import ProcessPool
-from fedprivacy.fl.canaries import CANARY_RECORD
+from fedprivacy.fl.canary_client import CANARY_RECORD
 from fedprivacy.fl.client_app import LEGACY_RESIDUAL, RESIDUAL, adopt_legacy_residual
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ server to exactly :math:`C_t`) and an excluded one a zero update. The ``k'`` unu
 
 The canaries are clients: the in-process engine runs ``N + k`` nodes (:func:`population_with_canaries`), the last
 ``k`` the canaries'. :class:`CanaryGrid`, a wrapper of the run's Flower ``Grid``, adds to every message to canary
-``i``'s node the :data:`CANARY_RECORD` (canary seed, ``i``, included); that node's ClientApp (fedprivacy's own,
+``i``'s node the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` (canary seed, ``i``, included); that node's ClientApp (fedprivacy's own,
 :func:`~fedprivacy.fl.client_app.build_client_app`) then sends :func:`canary_result` instead of training, through
 the client's own upload: as it is (central placement), clipped with the client's own noise share or local noise
 (distributed, local: the stream ``(round, partition)`` of any client), or clipped, Skellam-noised and masked by
@@ -41,45 +41,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp.typing import ClientAppCallable
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedprivacy.config import CanaryConfig, RunConfig
+from fedprivacy.fl.canary_client import CANARY_RECORD, canary_direction, canary_update
 from fedprivacy.fl.population import discover_nodes
-from fedprivacy.fl.records import arrays_to_record, arrays_to_vector, float32_arrays, vector_to_arrays
-from fedprivacy.client.trainer import LocalResult
 from fedprivacy.privacy.accounting import AccountantKind, PrivacyLedger, epsilon
 from fedprivacy.privacy.canary_estimates import cosines, max_over_rounds, one_run_bound, one_shot_epsilon
-from fedprivacy.privacy.noise import torch_seed
-from fedprivacy.updates import SparseUpdate
 
 if TYPE_CHECKING:
     from fedprivacy.privacy.mechanism import GaussianMechanism
 
-DIRECTION_STREAM = 0x64697263  # "dirc": canary i's direction, per canary seed
 INCLUSION_STREAM = 0x696E636C  # "incl": which canaries are included
 BOOTSTRAP_STREAM = 0x626F6F74  # "boot": the one-shot estimate's bootstrap
-CANARY_NORM = 2.0  # an included canary's norm, in units of the round's clip norm: always clipped to exactly C_t
 DIRECTION_CACHE_BYTES = 1 << 26  # every direction kept in memory (float32) up to 64 MiB: 140 at 100,050 parameters
 SCORE_CHUNK = 1 << 22  # directions' values scored at once (64 directions at most): 32 MiB as float64
-CANARY_RECORD = "fedprivacy-canary"
-"""The ``ConfigRecord`` in each message to a canary's node: ``seed`` (the canary seed), ``index``, ``included``."""
-
-
-def canary_direction(seed: int, i: int, dim: int) -> torch.Tensor:
-    r"""Unit direction ``i`` of the canary seed ``seed`` in ``dim`` dimensions: :math:`c_i / \|c_i\|`,
-    :math:`c_i \sim \mathcal N(0, I_d)` from the stream ``(seed, DIRECTION_STREAM, i)``."""
-    g = torch.Generator().manual_seed(torch_seed(np.random.SeedSequence([seed, DIRECTION_STREAM, i])))
-    c = torch.randn(dim, generator=g)
-    return c / torch.linalg.vector_norm(c)
-
-
-def canary_update(seed: int, i: int, included: bool, dim: int, clip_norm: float) -> torch.Tensor:
-    """Canary ``i``'s update: its direction at ``CANARY_NORM * clip_norm`` if ``included``, else zero."""
-    return canary_direction(seed, i, dim) * (CANARY_NORM * clip_norm) if included else torch.zeros(dim)
-
-
 def population_with_canaries(cfg: RunConfig, users: int) -> int:
     """The run's population: its ``users`` and, after them, ``privacy.canaries.count`` canary nodes."""
     return users + (cfg.privacy.canaries.count if cfg.privacy.canaries is not None else 0)
@@ -210,8 +187,8 @@ def claim_of_the_added_noise(mechanism: GaussianMechanism, delta: float, account
 
 class CanaryGrid(Grid):
     """The run's ``grid``, whose last ``count`` partition nodes are the canaries' (module docstring): every message
-    to canary ``i``'s node carries the :data:`CANARY_RECORD` ``{seed, index, included}`` its ClientApp answers with
-    (:func:`canary_result`); everything else, e.g. the nodes' states, is the wrapped grid's. The nodes are the
+    to canary ``i``'s node carries the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` ``{seed, index, included}`` its ClientApp answers with
+    (:func:`~fedprivacy.fl.canary_client.canary_result`); everything else, e.g. the nodes' states, is the wrapped grid's. The nodes are the
     grid's partitions in order: an in-process grid names them, real SuperNodes report them
     (:func:`~fedprivacy.fl.population.discover_nodes`; a deployment runs one SuperNode per canary after the users')."""
 
@@ -266,28 +243,3 @@ class CanaryGrid(Grid):
         for batch in (theirs, ours):
             if batch:
                 yield from self.inner.send_and_receive(batch, timeout=timeout)
-
-
-def canary_result(record: ConfigRecord, dim: int, clip_norm: float) -> LocalResult:
-    """What canary ``record["index"]``'s ClientApp sends instead of training (:meth:`RunCanaries.update`, from the
-    :data:`CANARY_RECORD` its node's messages carry): the update then goes through the client's own pipeline (its
-    noise share, local noise or SecAgg+ masking) like any client's; no loss, no examples."""
-    update = canary_update(int(record["seed"]), int(record["index"]), bool(record["included"]), dim, clip_norm)
-    return LocalResult(SparseUpdate.dense(update), float("nan"), 0)
-
-
-def canary_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    r"""A Flower mod that makes a node of any ClientApp replying full weights (Flower's convention) answer as a
-    canary: a ``train`` message carrying :data:`CANARY_RECORD` gets :math:`x_t + u_i` (:func:`canary_result`'s
-    update :math:`u_i` on the broadcast :math:`x_t`) without calling the app, so the mods around it treat it as
-    the client's trained weights: place it innermost, e.g. ``ClientApp(mods=[client_noise_mod(...), canary_mod])``
-    clips and noises it as any client's (:func:`~fedprivacy.fl.mods.client_noise_mod`). Every other message goes
-    to the app. fedprivacy's own ClientApp needs no mod: it answers canary messages itself."""
-    record = msg.content.config_records.get(CANARY_RECORD)
-    if record is None or msg.metadata.message_type != "train":
-        return call_next(msg, context)
-    sent = float32_arrays(msg.content.array_records["arrays"])
-    start = arrays_to_vector(sent)
-    update = canary_result(record, start.numel(), float(msg.content["config"]["clip-norm"])).update.to_dense()
-    return Message(RecordDict({"arrays": arrays_to_record(vector_to_arrays(start + update, sent)),
-                               "metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)

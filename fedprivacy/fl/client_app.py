@@ -21,8 +21,8 @@ Message contract (``message_type``):
   placements: the client clips and adds its noise itself and sends the DENSE noised vector
   (:mod:`fedprivacy.privacy.placement`). With ``client.compression`` it sends the clipped top-k of
   its delta plus the residual it keeps in ``Context.state``.
-  A canary's node (the content carries :data:`~fedprivacy.fl.canaries.CANARY_RECORD`) trains nothing: it sends
-  the canary's update (:func:`~fedprivacy.fl.canaries.canary_result`) through the same upload, without
+  A canary's node (the content carries :data:`~fedprivacy.fl.canary_client.CANARY_RECORD`) trains nothing: it sends
+  the canary's update (:func:`~fedprivacy.fl.canary_client.canary_result`) through the same upload, without
   ``train_loss``.
 
 One reply path: whatever trained, :func:`client_reply` turns the client's local training into its
@@ -53,7 +53,7 @@ from fedprivacy.optim.disk import disk_combination
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.privacy.noise import GaussianNoise, torch_seed
 from fedprivacy.privacy.placement import client_noise_std
-from fedprivacy.fl.canaries import CANARY_RECORD, canary_result
+from fedprivacy.fl.canary_client import CANARY_RECORD, canary_result
 from fedprivacy.fl.mods import RESIDUAL_KEY, answer_identity_query, compressed_upload, noised_upload
 from fedprivacy.fl.noise_floor import NoiseFloor, SecAggNode, enforce
 from fedprivacy.fl.secure_aggregation import ClientSettings, handle, is_secagg

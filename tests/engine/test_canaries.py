@@ -18,7 +18,8 @@ from fedprivacy.audit import BROKEN_VARIANTS
 from fedprivacy.config import CanaryConfig, ConfigError
 from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
 from fedprivacy.fl import mods
-from fedprivacy.fl.canaries import CANARY_NORM, CANARY_RECORD, CanaryGrid, RunCanaries, canary_mod
+from fedprivacy.fl.canaries import CanaryGrid, RunCanaries
+from fedprivacy.fl.canary_client import CANARY_NORM, CANARY_RECORD, canary_mod
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.mods import noised_upload
 from fedprivacy.fl.records import arrays_to_vector, float32_arrays, model_to_record, record_to_update
