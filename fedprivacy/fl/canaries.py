@@ -10,8 +10,9 @@ server to exactly :math:`C_t`) and an excluded one a zero update. The ``k'`` unu
 
 The canaries are clients: the in-process engine runs ``N + k`` nodes (:func:`population_with_canaries`), the last
 ``k`` the canaries'. :class:`CanaryGrid`, a wrapper of the run's Flower ``Grid``, adds to every message to canary
-``i``'s node the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` (canary seed, ``i``, included); that node's ClientApp (fedprivacy's own,
-:func:`~fedprivacy.fl.client_app.build_client_app`) then sends :func:`canary_result` instead of training, through
+``i``'s node the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` (canary seed, ``i``, included); that node's
+ClientApp (fedprivacy's own, :func:`~fedprivacy.fl.client_app.build_client_app`) then sends
+:func:`~fedprivacy.fl.canary_client.canary_result` instead of training, through
 the client's own upload: as it is (central placement), clipped with the client's own noise share or local noise
 (distributed, local: the stream ``(round, partition)`` of any client), or clipped, Skellam-noised and masked by
 the SecAgg+ protocol. The strategy samples, clips, noises, aggregates and accounts their replies exactly like
@@ -187,9 +188,9 @@ def claim_of_the_added_noise(mechanism: GaussianMechanism, delta: float, account
 
 class CanaryGrid(Grid):
     """The run's ``grid``, whose last ``count`` partition nodes are the canaries' (module docstring): every message
-    to canary ``i``'s node carries the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` ``{seed, index, included}`` its ClientApp answers with
-    (:func:`~fedprivacy.fl.canary_client.canary_result`); everything else, e.g. the nodes' states, is the wrapped grid's. The nodes are the
-    grid's partitions in order: an in-process grid names them, real SuperNodes report them
+    to canary ``i``'s node carries the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` ``{seed, index, included}``
+    its ClientApp answers with (:func:`~fedprivacy.fl.canary_client.canary_result`); everything else, e.g. the nodes'
+    states, is the wrapped grid's. The nodes are the grid's partitions in order: an in-process grid names them, real SuperNodes report them
     (:func:`~fedprivacy.fl.population.discover_nodes`; a deployment runs one SuperNode per canary after the users')."""
 
     def __init__(self, grid: Grid, canaries: RunCanaries) -> None:
