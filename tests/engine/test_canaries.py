@@ -24,6 +24,7 @@ from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.mods import noised_upload
 from fedprivacy.fl.records import arrays_to_vector, float32_arrays, model_to_record, record_to_update
 from fedprivacy.fl.server_app import DPFedAvgServer
+from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.privacy.accounting import epsilon_for
 from fedprivacy.privacy.noise import GaussianNoise
 from fedprivacy.privacy.placement import client_noise_std
@@ -52,20 +53,33 @@ def test_a_run_with_canaries_writes_both_estimates_below_the_claim(small_config)
     assert json.loads((cfg.output_dir / "summary.json").read_text())["empirical_epsilon"]["andrew"] == e["andrew"]
 
 
-def test_a_mechanism_with_too_little_noise_exceeds_the_claim(small_config):
-    """The audit's broken server that divides the noise by m twice: the run claims z = 1 and adds z / 8."""
-    cfg = small_config(*CANARIES)
+class UnderstatedNoise(GaussianNoise):
+    """BROKEN on purpose: a plug-in stream that adds the noise of z/4 while its event accounts z."""
+
+    def std_factor(self, release: int) -> float:
+        return 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["noise_over_cohort", "noise_after_optimizer", "understated_stream"])
+def test_a_mechanism_with_too_little_noise_exceeds_the_claim(small_config, broken):
+    """Broken servers whose noise falls far below the claim: the audit's that divides the noise by m twice (z/8
+    added, z claimed), the one that adds it after the server's step, and a plug-in stream that under-states its noise
+    in its event (z/4 added, z accounted): the one-shot interval starts above the claim the run reports. (Milder
+    violations, e.g. half the noise, need more canaries or rounds: docs/audit.md, the power table.)"""
+    stream = (f"privacy.noise_stream={__name__}:UnderstatedNoise",) if broken == "understated_stream" else ()
+    cfg = small_config(*CANARIES, *stream)
     task, out = load_task(cfg.data), {}
     app = ServerApp()
+    strategy = DPFedAvg if broken == "understated_stream" else BROKEN_VARIANTS[broken]
 
     @app.main()
     def main(grid, context):
-        out["summary"] = DPFedAvgServer(cfg, task, strategy_cls=BROKEN_VARIANTS["noise_over_cohort"]).run(grid)
+        out["summary"] = DPFedAvgServer(cfg, task, strategy_cls=strategy).run(grid)
 
     run_inprocess(app, build_client_app(cfg), task.population + 40)
     e, claim = _estimates(out["summary"])
-    assert e["andrew"]["interval"][0] > claim
-    assert e["steinke"]["correct"] == e["steinke"]["guesses"]  # every guess right (20 guesses bound at most ~1.8)
+    assert e["andrew"]["interval"][0] > claim, e["andrew"]
 
 
 @pytest.mark.parametrize("placement", ["central", "distributed"])
