@@ -133,6 +133,7 @@ MUTATIONS = [
  ("fedprivacy/fl/canary_client.py", "CANARY_NORM = 2.0", "CANARY_NORM = 0.25", "tests/engine/test_canaries_cross_round.py -k separation"),
  ("fedprivacy/fl/canary_client.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
  ("fedprivacy/fl/run_hooks.py", "        self.canaries.load_state_dict(state[\"canaries\"])\n", "        pass\n", "tests/engine/test_canaries.py -k resume"),
+ ("fedprivacy/fl/canaries.py", "        if inc.sum() < 2:  # a draw", "        if False:  # a draw", "tests/engine/test_canary_reports.py -k fewer_than_two"),
 ]
 
 for path, old, new, test in MUTATIONS:

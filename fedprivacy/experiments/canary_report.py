@@ -42,6 +42,9 @@ def estimates_line(e: Mapping[str, Any]) -> str:
     """One line: both estimates of each score beside the accountant's epsilon, e.g. ``empirical epsilon (canaries):
     Andrew et al. 1.29 [0.08, 3.21] final model, 2.10 [0.95, 3.40] every round; Steinke et al. >= 0.00 final model,
     >= 0.00 every round at 95%; accountant 3.59 (pld)``."""
+    if "error" in e:
+        return (f"empirical epsilon (canaries): not estimated ({e['error']}); accountant "
+                f"{_eps(e.get('epsilon_claimed'))} ({e['accountant']})")
     scored = _scored(e)
     andrew = ", ".join(f"{_eps(s['andrew']['epsilon'])} [{_eps(s['andrew']['interval'][0])}, "
                        f"{_eps(s['andrew']['interval'][1])}] {SCORES[k]}" for k, s in scored.items())
@@ -55,7 +58,7 @@ def estimate_columns(summary: Mapping[str, Any] | None) -> dict[str, float]:
     """A run's estimates as flat columns (NaN without canaries): ``canary_andrew_<score>``,
     ``canary_steinke_<score>`` for each score of :data:`SCORES`."""
     e = (summary or {}).get("empirical_epsilon")
-    scored = _scored(e) if e else {}
+    scored = _scored(e) if e and "error" not in e else {}
     return {f"canary_{kind}_{k}": (float(scored[k][kind][field]) if k in scored else math.nan)
             for k in SCORES for kind, field in (("andrew", "epsilon"), ("steinke", "epsilon_lower_bound"))}
 

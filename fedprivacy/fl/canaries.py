@@ -137,8 +137,11 @@ class RunCanaries:
         """Both estimates for the run's model change ``x_T - x_0`` at ``delta`` (summary.json's ``empirical_epsilon``),
         and both of the every-round statistic (``every_round``; None before any round)."""
         inc = self.included
-        return {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta,
-                **self._estimates_of(self.scores(change), delta),
+        drawn = {"canaries": self.count, "included": int(inc.sum()), "unused": self.cfg.unused, "delta": delta}
+        if inc.sum() < 2:  # a draw, not an error of the run's: it must still end with its summary
+            return {**drawn, "error": f"{int(inc.sum())} of the {self.count} canaries were included (each with "
+                                      "probability 1/2): the one-shot estimate needs at least 2; use more canaries"}
+        return {**drawn, **self._estimates_of(self.scores(change), delta),
                 "every_round": None if self.round_max is None else self._estimates_of(self.round_max, delta)}
 
     def _estimates_of(self, scores: np.ndarray, delta: float) -> dict[str, Any]:

@@ -3,6 +3,7 @@ statistic in summary.json (and in the checkpoint), the line at the end of `fedpr
 run folder and of a study, and the docs table generated from a run's stored summary."""
 
 import io
+import math
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from fedprivacy.audit import BROKEN_VARIANTS
 from fedprivacy.cli import main
 from fedprivacy.config import CanaryConfig
 from fedprivacy.engines.inprocess import run_inprocess
-from fedprivacy.experiments.canary_report import RunSummaryError, estimates_line, load_run_summary
+from fedprivacy.experiments.canary_report import RunSummaryError, estimate_columns, estimates_line, load_run_summary
 from fedprivacy.experiments.docs import render_docs, stale_tables
 from fedprivacy.experiments.progress import RunProgress
 from fedprivacy.fl.canaries import RunCanaries, population_with_canaries
@@ -115,3 +116,13 @@ def test_the_every_round_statistic_scores_each_rounds_model_change():
     assert np.array_equal(again.round_max, c.round_max)
     with pytest.raises(ValueError, match="hold no every-round statistic"):
         again.load_state_dict({"seed": 2})
+
+
+def test_a_run_whose_draw_included_fewer_than_two_canaries_still_ends_with_its_summary(small_config, capsys):
+    """Each canary is included with probability 1/2 (from the OS by default): 4 canaries include at most one in
+    5 draws of 16. The one-shot estimate needs two; the run must still write its summary, saying why."""
+    summary = run(small_config("rounds=2", "privacy.canaries={count: 4, unused: 10, seed: 2}", "privacy.delta=1e-5"))
+    e = summary["empirical_epsilon"]
+    assert e["included"] == 1 and "the one-shot estimate needs at least 2" in e["error"] and "andrew" not in e
+    assert estimates_line(e).startswith("empirical epsilon (canaries): not estimated (1 of the 4 canaries")
+    assert all(math.isnan(v) for v in estimate_columns(summary).values())
