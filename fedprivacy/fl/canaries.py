@@ -36,6 +36,7 @@ running maximum over the rounds (:meth:`RunCanaries.observe`,
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,8 @@ from fedprivacy.privacy.canary_estimates import cosines, max_over_rounds, one_ru
 
 if TYPE_CHECKING:
     from fedprivacy.privacy.mechanism import GaussianMechanism
+
+log = logging.getLogger(__name__)
 
 INCLUSION_STREAM = 0x696E636C  # "incl": which canaries are included
 BOOTSTRAP_STREAM = 0x626F6F74  # "boot": the one-shot estimate's bootstrap
@@ -141,8 +144,12 @@ class RunCanaries:
         if inc.sum() < 2:  # a draw, not an error of the run's: it must still end with its summary
             return {**drawn, "error": f"{int(inc.sum())} of the {self.count} canaries were included (each with "
                                       "probability 1/2): the one-shot estimate needs at least 2; use more canaries"}
-        return {**drawn, **self._estimates_of(self.scores(change), delta),
-                "every_round": None if self.round_max is None else self._estimates_of(self.round_max, delta)}
+        try:
+            return {**drawn, **self._estimates_of(self.scores(change), delta),
+                    "every_round": None if self.round_max is None else self._estimates_of(self.round_max, delta)}
+        except (ArithmeticError, ValueError) as err:  # an estimator's numerical failure must not cost the summary
+            log.error("the canary estimates failed (%s: %s); the run's summary records it", type(err).__name__, err)
+            return {**drawn, "error": f"the estimate failed: {type(err).__name__}: {err}"}
 
     def _estimates_of(self, scores: np.ndarray, delta: float) -> dict[str, Any]:
         """Andrew et al.'s and Steinke et al.'s estimates of one score per direction (canaries, then unused)."""

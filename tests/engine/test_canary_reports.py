@@ -18,6 +18,7 @@ from fedprivacy.engines.inprocess import run_inprocess
 from fedprivacy.experiments.canary_report import RunSummaryError, estimate_columns, estimates_line, load_run_summary
 from fedprivacy.experiments.docs import render_docs, stale_tables
 from fedprivacy.experiments.progress import RunProgress
+import fedprivacy.fl.canaries as canaries_module
 from fedprivacy.fl.canaries import RunCanaries, population_with_canaries
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.server_app import DPFedAvgServer
@@ -126,3 +127,16 @@ def test_a_run_whose_draw_included_fewer_than_two_canaries_still_ends_with_its_s
     assert e["included"] == 1 and "the one-shot estimate needs at least 2" in e["error"] and "andrew" not in e
     assert estimates_line(e).startswith("empirical epsilon (canaries): not estimated (1 of the 4 canaries")
     assert all(math.isnan(v) for v in estimate_columns(summary).values())
+
+
+def test_a_numerical_failure_of_the_estimators_still_ends_the_run_with_its_summary(small_config, monkeypatch):
+    """The OS-seeded resume test once hit an OverflowError inside the one-shot estimate after the last round: whatever
+    an estimator raises, the run keeps its summary and says what failed."""
+    def overflow(*args, **kwargs):
+        raise OverflowError("math range error")
+
+    monkeypatch.setattr(canaries_module, "one_shot_epsilon", overflow)
+    summary = run(small_config("rounds=2", "privacy.canaries={count: 8, unused: 10, seed: 1}", "privacy.delta=1e-5"))
+    e = summary["empirical_epsilon"]
+    assert e["error"] == "the estimate failed: OverflowError: math range error" and "andrew" not in e
+    assert summary["rounds_completed"] == 2
