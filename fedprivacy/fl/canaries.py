@@ -210,12 +210,18 @@ class CanaryGrid(Grid):
         except RuntimeError as err:
             raise ValueError(f"{err}: a run with {canaries.count} canaries over {canaries.users} users needs "
                              f"{canaries.users + canaries.count} nodes (the canaries last)") from None
+        self._nodes = nodes
         included = canaries.included
         self._record = {node: ConfigRecord({"seed": canaries.seed, "index": i, "included": bool(included[i])})
                         for i, node in enumerate(nodes[canaries.users:])}
 
     def __getattr__(self, name: str) -> Any:  # node_state_dict, load_node_state_dict, close, partition_nodes, ...
         return getattr(self.inner, name)
+
+    def partition_nodes(self) -> list[int]:
+        """The nodes in partition order, as discovered once here (a run's population order asks again: real
+        SuperNodes are not queried twice)."""
+        return list(self._nodes)
 
     @property
     def run(self):  # type: ignore[override]
