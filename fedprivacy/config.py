@@ -733,7 +733,11 @@ class RunConfig(_Section):
     rule is in :func:`fedprivacy.engines.cohorts.cohort_trainer`); ``on``: wherever supported (an
     error names what is not); ``off``: one client at a time."""
     output_dir: Path = Path("runs/quickstart")
-    checkpoint_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(5, ge=1)
+    """Checkpoint (model, server step, ledger, metrics rows; 40 MB for the quickstart's model) after every this many
+    rounds, at a graceful stop and at the end. Every release is in ``releases.jsonl`` before its noise is drawn, so a
+    crash between checkpoints loses no spend: ``--resume`` accounts those releases and re-runs their rounds (up to
+    ``checkpoint_every - 1``) with re-keyed noise and cohorts. Default 5, the evaluated rounds of ``eval_every: 5``."""
     round_timeout_s: float | None = Field(None, gt=0.0)
     """Stop waiting for a round's replies after this many seconds (``None``: wait for all). Clients
     that have not replied by then are dropouts: they contribute zero, noise and divisor unchanged.

@@ -227,7 +227,8 @@ class RunOutputs:
 
 
 def plot_metrics(df: pd.DataFrame, path: Path, baseline: float | None = None) -> None:
-    """Test accuracy (with the majority-tag baseline) and epsilon (every accountant) against the round."""
+    """Test accuracy (with the majority-tag baseline) and epsilon (every accountant) against the round, each at the
+    rounds that report it (``fedprivacy run`` reports the accountants other than the budget's at the evaluated ones)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,8 +242,9 @@ def plot_metrics(df: pd.DataFrame, path: Path, baseline: float | None = None) ->
         ax_acc.legend()
     ax_acc.set(xlabel="round", ylabel="test accuracy", title="Test accuracy")
     for col in [c for c in df.columns if c.startswith("epsilon_")]:
-        if df[col].notna().any():
-            ax_eps.plot(df["round"], df[col], label=col.removeprefix("epsilon_"))
+        reported = df.dropna(subset=[col])
+        if len(reported):
+            ax_eps.plot(reported["round"], reported[col], label=col.removeprefix("epsilon_"))
     ax_eps.set(xlabel="round", ylabel="epsilon", title="Privacy spent")
     ax_eps.legend()
     for ax in (ax_acc, ax_eps):

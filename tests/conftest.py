@@ -31,7 +31,7 @@ def small_config(small_data, tmp_path):
 
     def make(*overrides: str) -> RunConfig:
         base = {
-            "rounds": 2, "eval_every": 1, "output_dir": str(tmp_path / "run"),
+            "rounds": 2, "eval_every": 1, "checkpoint_every": 1, "output_dir": str(tmp_path / "run"),
             "data": {"path": str(small_data), "generate_if_missing": False, "vocab_size": 2000, "num_tags": 50},
             "client": {"epochs": 1, "batch_size": 10, "lr": 5.0},
             "privacy": {"clip_norm": 1.0, "noise_multiplier": 0.5, "expected_cohort": 8, "accountants": ["rdp", "pld"]},

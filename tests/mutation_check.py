@@ -134,6 +134,9 @@ MUTATIONS = [
  ("fedprivacy/fl/canary_client.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
  ("fedprivacy/fl/run_hooks.py", "        self.canaries.load_state_dict(state[\"canaries\"])\n", "        pass\n", "tests/engine/test_canaries.py -k resume"),
  ("fedprivacy/fl/canaries.py", "        if inc.sum() < 2:  # a draw", "        if False:  # a draw", "tests/engine/test_canary_reports.py -k fewer_than_two"),
+ # every accountant's epsilon at the evaluated rounds only: the budget's every round, the summary's of the whole ledger
+ ("fedprivacy/fl/strategy.py", "if every or k == self.budget_accountant)", "if every)", "tests/engine/test_reported_epsilons.py"),
+ ("fedprivacy/fl/server_app.py", "        summary.update(s.epsilon_metrics(", "        (s.epsilon_metrics(", "tests/engine/test_reported_epsilons.py"),
 ]
 
 for path, old, new, test in MUTATIONS:

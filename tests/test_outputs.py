@@ -1,5 +1,5 @@
 """A run's folder: metrics.csv rows appended one line at a time read back exactly as a full rewrite
-writes them; resuming refuses what would break the run; failed writes and a held folder say what
+writes them; the plot draws each epsilon through the rounds that report it; resuming refuses what would break the run; failed writes and a held folder say what
 and where in one line."""
 
 import errno
@@ -21,8 +21,29 @@ from fedprivacy.cli import describe_os_error
 from fedprivacy.config import build_config
 from fedprivacy.locks import FolderBusyError
 from fedprivacy.fl.strategy_state import StrategyState
-from fedprivacy.outputs import CHECKPOINT, RunOutputs, fixed_settings, run_lock
+from fedprivacy.outputs import CHECKPOINT, RunOutputs, fixed_settings, plot_metrics, run_lock
 from fedprivacy.run import run
+
+
+def test_the_plot_draws_each_epsilon_through_the_rounds_that_report_it(tmp_path, monkeypatch):
+    """The accountants other than the budget's are NaN at unevaluated rounds: a line through every round would
+    show none of their points (matplotlib breaks a line at each NaN)."""
+    from matplotlib.axes import Axes
+
+    drawn: dict[str, tuple[list, list]] = {}
+    plot = Axes.plot
+
+    def recording(self, x, y, *args, **kwargs):
+        drawn[kwargs.get("label", "")] = (list(x), list(y))
+        return plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording)
+    nan = float("nan")
+    rows = pd.DataFrame({"round": [1, 2, 3, 4], "test_accuracy": [nan, 0.1, nan, 0.2],
+                         "epsilon_rdp": [1.0, 1.5, 1.9, 2.2], "epsilon_pld": [nan, 1.2, nan, 1.8]})
+    plot_metrics(rows, tmp_path / "metrics.png")
+    assert drawn["rdp"] == ([1, 2, 3, 4], [1.0, 1.5, 1.9, 2.2]) and drawn["pld"] == ([2, 4], [1.2, 1.8])
+    assert (tmp_path / "metrics.png").stat().st_size > 0
 
 
 def _outputs(tmp_path):

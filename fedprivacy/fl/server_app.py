@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,8 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                    node_content: NodeContent | None = None, state_dir: str | Path | None = None,
                    hooks: Sequence[RunHook] = ()) -> DPFedAvg:
     """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``; with
-    ``state_dir`` and ``hooks`` (a checkpoint every ``cfg.checkpoint_every`` rounds), a run's."""
+    ``state_dir`` and ``hooks`` (a checkpoint every ``cfg.checkpoint_every`` rounds), a run's; every accountant's
+    epsilon at the evaluated rounds (every ``eval_every``-th and the last), the budget's at every round."""
     p, s = cfg.privacy, cfg.server
     assert p.noise_multiplier != "auto", "resolve_noise_multiplier first"
     adaptive = (AdaptiveClipping(p.adaptive_clipping.target_quantile, p.adaptive_clipping.learning_rate,
@@ -132,7 +134,7 @@ def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls:
                secure_aggregation=None if p.secure_aggregation is None else SecureAggregation(
                    p.secure_aggregation.threshold, p.secure_aggregation.neighbours, p.secure_aggregation.bits,
                    p.secure_aggregation.timeout_s), state_dir=state_dir, hooks=hooks,
-               checkpoint_every=cfg.checkpoint_every)
+               checkpoint_every=cfg.checkpoint_every, accountants_every=cfg.eval_every)
 
 
 def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = None) -> RunConfig:
@@ -315,6 +317,8 @@ class DPFedAvgServer:
                    "majority_baseline_accuracy": self.task.majority_baseline, "privacy_claim": self.privacy_claim(),
                    "releases": s.mechanism.ledger.rounds, "rounds_with_no_accepted_update": s.empty_rounds,
                    "data": data_provenance(self.cfg.data), **(self.outputs.rows[-1] if self.outputs.rows else {})}
+        # a run the budget stopped after an unevaluated round: its last row has the budget's epsilon alone
+        summary.update(s.epsilon_metrics(k for k in s.accountants if math.isnan(summary.get(f"epsilon_{k}", 0.0))))
         if self.side_info:
             summary["side_information"] = self.side_info.builds[-1]
         if self.canaries:

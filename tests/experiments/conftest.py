@@ -13,7 +13,7 @@ def tiny_study(small_data, tmp_path):
             "name": "tiny",
             "description": "two methods on 40 users",
             "output_dir": str(tmp_path / "study"),
-            "base": {"rounds": 4, "eval_every": 2,
+            "base": {"rounds": 4, "eval_every": 2, "checkpoint_every": 1,
                      "data": {"path": str(small_data), "generate_if_missing": False, "vocab_size": 2000, "num_tags": 50},
                      "client": {"epochs": 1, "batch_size": 10, "lr": 5.0},
                      "privacy": {"clip_norm": 1.0, "expected_cohort": 8, "accountants": ["rdp", "pld"]}},
