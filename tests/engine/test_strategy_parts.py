@@ -8,16 +8,21 @@ import logging
 import pytest
 import torch
 
-from fedprivacy.checkpoints import ResumeError
+from fedprivacy.checkpoints import ResumeError, load_checkpoint
 from fedprivacy.fl.aggregation import PlainAggregation, SecureAggregationPart
 from fedprivacy.fl.mods import client_noise_mod
 from fedprivacy.fl.parts import (Accounting, Bounding, Noise, Participation, ServerStepPart, StrategyParts, merged,
                                  parts_from_keywords)
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.privacy.correlated import CorrelatedMechanism
+from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.privacy.mechanism import AdaptiveClipping
+from fedprivacy.run import run
+from fedprivacy.stackoverflow_tasks import load_task
 
-from test_secure_aggregation import SETTINGS, _client, _run  # this folder is on sys.path (pytest's rootdir mode)
+from test_secure_aggregation import SETTINGS, C, N  # this folder is on sys.path (pytest's rootdir mode)
+from test_one_round import _hand_written
+from test_secure_run import SECAGG as SECURE_RUN
 from test_strategy import _flat, _plain_client_app, _reporting, _start
 
 BLT = CorrelatedMechanism(kind="blt", horizon=6, groups=2, buffers=2)
@@ -74,20 +79,32 @@ def test_the_parts_and_the_keyword_form_have_equal_settings_and_run_bit_identica
     assert by_keywords.epsilons() == by_parts.epsilons() and by_parts.mechanism.ledger.rounds == 3
 
 
-def test_secure_aggregation_as_a_part_runs_bit_identically_and_reports_its_parameters():
-    common = dict(expected_cohort=5, population=5)
-    by_keywords = DPFedAvg(noise_multiplier=0.5, clip_norm=1.0, placement="distributed", secure_aggregation=SETTINGS,
-                           accountants=("rdp",), seed=0, **common)
-    by_parts = DPFedAvg(participation=Participation(**common), bounding=Bounding(1.0),
-                        noise=Noise(0.5, "distributed", seed=0), accounting=Accounting(accountants=("rdp",)),
-                        aggregation=SecureAggregationPart(SETTINGS))
+def test_secure_aggregation_as_a_part_reports_its_parameters_and_the_keyword_forms_settings():
+    common = dict(expected_cohort=N, population=N)
+    by_keywords = DPFedAvg(noise_multiplier=0.0, clip_norm=C, placement="distributed", secure_aggregation=SETTINGS,
+                           seed=0, **common)
+    by_parts = DPFedAvg(participation=Participation(**common), bounding=Bounding(C),
+                        noise=Noise(0.0, "distributed", seed=0), aggregation=SecureAggregationPart(SETTINGS))
     assert by_keywords.settings == by_parts.settings and by_parts.settings["secure_aggregation"]["threshold"] == 3
     assert by_parts.secure_aggregation == by_keywords.secure_aggregation == SETTINGS
     assert DPFedAvg(**CASES["central"][1]).secure_aggregation is None
-    a, _ = _run(by_keywords, _client(), rounds=2)
-    b, _ = _run(by_parts, _client(), rounds=2)
-    assert torch.equal(_flat(a.arrays), _flat(b.arrays))
-    assert by_keywords.mechanism.ledger.state_dict() == by_parts.mechanism.ledger.state_dict()
+
+
+def test_a_secure_run_built_from_the_configs_parts_is_bit_identical_to_the_keyword_form(small_config, tmp_path):
+    """``fedprivacy run`` builds the parts from the config (fedprivacy.fl.config_parts); the keyword form in a
+    hand-written ServerApp against the same seeded clients releases the same model and ledger."""
+    cfg = small_config("rounds=2", f"output_dir={tmp_path / 'run'}", *SECURE_RUN)
+    run(cfg)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    p = cfg.privacy
+    strategy = _hand_written(cfg, DPFedAvg(
+        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
+        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants),
+        placement="distributed", optimizer_settings={"momentum": 0.9},
+        secure_aggregation=SecureAggregation(threshold=3, neighbours=5)))
+    assert torch.equal(strategy.params, saved["params"])
+    assert strategy.mechanism.ledger.state_dict() == saved["ledger"] and strategy.mechanism.ledger.rounds == 2
+    assert strategy.settings.items() <= saved["settings"].items()
 
 
 def test_the_settings_keys_and_values_are_those_saved_checkpoints_hold():
@@ -97,7 +114,7 @@ def test_the_settings_keys_and_values_are_those_saved_checkpoints_hold():
         "placement": "central", "optimizer": "adam", "lr": 0.1, "optimizer_settings": {"tau": 1e-3},
         "adaptive_clipping": {"target_quantile": 0.5, "learning_rate": 0.2, "count_stddev": 2.0},
         "disk_kappa": None, "disk_gamma": 0.5, "record_level": False, "delta": 1e-3, "seed": 0, "noise_cohort": None,
-        "noise_population": None, "noise_stream": "gaussian"}
+        "noise_population": None, "noise_stream": "fedprivacy.privacy.noise:GaussianNoise"}
     assert DPFedAvg(**CASES["correlated"][1]).settings["groups"] == 2
 
 
