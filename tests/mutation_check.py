@@ -123,6 +123,16 @@ MUTATIONS = [
  ("fedprivacy/optim/disk.py", "        if combination.independent_noise:\n            return None\n", "        if True:\n            return None\n", "tests/engine/test_correlated_run.py -k refuses_disk_with_correlated"),
  ("fedprivacy/privacy/combination.py", "        if reason is not None:\n            raise ValueError(reason)", "        if reason is not None:\n            return", "tests/engine/test_custom_aggregation.py -k refuses_what_it_cannot_combine"),
  ("fedprivacy/fl/strategy.py", "            self.aggregation.adopt(self.mechanism, self.params.numel())\n", "", "tests/engine/test_secure_run.py -k never_exceeds"),
+ # the strategy built from its parts: each part's settings reach what a resume refuses changed, merged once
+ ("fedprivacy/fl/parts.py", "        return {\"expected_cohort\": self.expected_cohort, \"population\": self.population,", "        return {\"population\": self.population,", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"clip_norm\": self.clip_norm, \"record_level\"", "        return {\"record_level\"", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"noise_multiplier\": self.noise_multiplier, \"placement\": self.placement,\n                \"noise_stream\"", "        return {\"placement\": self.placement,\n                \"noise_stream\"", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"optimizer\": part_name(self.optimizer), \"lr\": self.lr,", "        return {\"optimizer\": part_name(self.optimizer),", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"delta\": self.delta}", "        return {}", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "self.server_step, self.accounting, self.aggregation)", "self.server_step, self.accounting)", "tests/engine/test_custom_aggregation.py -k adds_its_settings"),
+ ("fedprivacy/fl/parts.py", "        if taken := sorted(set(given) & set(out)):", "        if False:", "tests/engine/test_strategy_parts.py -k same_setting"),
+ ("fedprivacy/fl/parts.py", "            if not isinstance(getattr(self, name), cls):", "            if False:", "tests/engine/test_strategy_parts.py -k wrong_missing_or_mixed"),
+ ("fedprivacy/config.py", "             \"privacy.aggregation\": cfg.privacy.aggregation,\n", "", "tests/engine/test_custom_aggregation.py -k opt_in"),
  # Flower Datasets: one user, one partition
  ("fedprivacy/data/flower_datasets.py", "            if home.setdefault(user, i) != i:", "            if False:", "tests/data/test_flower_datasets.py -k splits_a_user"),
  ("fedprivacy/data/flower_datasets.py", "    if isinstance(partitioner, NaturalIdPartitioner) and natural_column(partitioner) == user_column:", "    if isinstance(partitioner, NaturalIdPartitioner):", "tests/data/test_flower_datasets.py -k finer_column"),
