@@ -375,8 +375,8 @@ def _track(parser: argparse.ArgumentParser, section: str) -> None:
 def _allow_plugins(parser: argparse.ArgumentParser) -> None:
     """The opt-in of a command that runs a config (:func:`~fedprivacy.config.check_plugins`)."""
     parser.add_argument("--allow-plugins", action="store_true",
-                        help="run a config naming a plug-in (data.task, privacy.noise_stream, privacy.sampling or "
-                             "server.optimizer as module:factory): it imports and runs that code, so pass it only "
+                        help="run a config naming a plug-in (data.task, privacy.noise_stream, privacy.aggregation, "
+                             "privacy.sampling or server.optimizer as module:factory): it imports and runs that code, so pass it only "
                              "for a config you trust")
 
 

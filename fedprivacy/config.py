@@ -582,6 +582,10 @@ class PrivacyConfig(_Section):
     """``module:factory`` of the server's noise across rounds (a ``fedprivacy.privacy.noise.NoiseStream``,
     built as ``factory(seed, device=..., secure=...)``); None: independent Gaussian noise every round.
     Needs central placement, a fixed clip and a given noise_multiplier (``auto`` calibrates independent noise)."""
+    aggregation: PluginSpec | None = None
+    """``module:factory`` of how the uploads become one release (a ``fedprivacy.fl.aggregation.Aggregation``, built
+    as ``factory()``); None: the plain clipped sum, or ``secure_aggregation``. Needs a given noise_multiplier (``auto``
+    calibrates the plain sum's Gaussian mechanism) and no ``secure_aggregation``."""
 
     @property
     def accounting_cohort(self) -> int:
@@ -641,6 +645,9 @@ class PrivacyConfig(_Section):
                                               or self.adaptive_clipping is not None):
             raise ValueError(f"privacy.noise_stream={self.noise_stream!r} needs a given privacy.noise_multiplier (auto "
                              "calibrates independent noise), placement: central and no privacy.adaptive_clipping")
+        if self.aggregation is not None and (self.noise_multiplier == "auto" or self.secure_aggregation is not None):
+            raise ValueError(f"privacy.aggregation={self.aggregation!r} needs a given privacy.noise_multiplier (auto "
+                             "calibrates the plain sum) and no privacy.secure_aggregation (both sum the uploads)")
         if self.noise_multiplier == "auto":
             if self.target_epsilon is None:
                 raise ValueError("privacy.noise_multiplier='auto' needs privacy.target_epsilon (the budget to calibrate to)")
@@ -871,9 +878,10 @@ class RunConfig(_Section):
 
 def plugins(cfg: RunConfig) -> dict[str, str]:
     """The fields of ``cfg`` that name a plug-in, ``package.module:factory``, with their values: ``data.task`` (a
-    user's task), ``privacy.noise_stream``, ``privacy.sampling`` and ``server.optimizer``. A run imports each such
-    module and calls the factory: a config file naming a plug-in runs that code."""
+    user's task), ``privacy.noise_stream``, ``privacy.aggregation``, ``privacy.sampling`` and ``server.optimizer``. A
+    run imports each such module and calls the factory: a config file naming a plug-in runs that code."""
     named = {"data.task": cfg.data.task, "privacy.noise_stream": cfg.privacy.noise_stream,
+             "privacy.aggregation": cfg.privacy.aggregation,
              "privacy.sampling": cfg.privacy.sampling, "server.optimizer": cfg.server.optimizer}
     return {field: value for field, value in named.items() if value is not None and ":" in value}
 

@@ -19,7 +19,8 @@ MUTATIONS = [
  ("fedprivacy/fl/mods.py", "        reply.content = content\n", "", "tests/engine/test_strategy.py -k only_the_noisy"),
  ("fedprivacy/privacy/release_log.py", "            os.truncate(self.path, self._torn)\n", "            pass\n", "tests/engine/test_release_log_damage.py -k torn"),
  ("fedprivacy/privacy/accounting.py", "    if not _is_real(value) or not MIN_DELTA <= value < 1:", "    if False:", "tests/engine/test_strategy.py -k refused_before_any_release"),
- ("fedprivacy/fl/strategy.py", "seed: int | None = None, noise_cohort", "seed: int | None = 0, noise_cohort", "tests/engine/test_strategy.py -k default_draws"),
+ ("fedprivacy/fl/parts.py", "accountants: tuple[AccountantKind, ...] = (\"rdp\", \"pld\"), seed: int | None = None,", "accountants: tuple[AccountantKind, ...] = (\"rdp\", \"pld\"), seed: int | None = 0,", "tests/engine/test_strategy.py -k default_draws"),
+ ("fedprivacy/fl/parts.py", "    seed: int | None = None\n    noise_cohort", "    seed: int | None = 0\n    noise_cohort", "tests/engine/test_strategy_parts.py -k default_noise"),
  ("fedprivacy/privacy/mechanism.py", "            self.epoch = log.start_epoch(self.epoch)", "            self.epoch = log.start_epoch()", "tests/engine/test_release_log_damage.py -k epoch"),
  ("fedprivacy/fl/strategy.py", "        lost = self.mechanism.attach_release_log(release_log)", "        lost = 0", "tests/engine/test_strategy_state.py -k kill"),
  ("fedprivacy/fl/strategy.py", "            self.load_state_dict(saved)", "            pass", "tests/engine/test_strategy_state.py -k bit_exactly"),
@@ -58,7 +59,7 @@ MUTATIONS = [
  ("fedprivacy/deploy/local.py", "extra_node_config=floor)", ")", "tests/deploy/test_deploy_units.py -k noise_floor"),
  # hardening III: refusals at construction, plug-in opt-in, non-private diagnostics, the noise mechanism's file
  ("fedprivacy/privacy/mechanism.py", "    check_noise_std(z, clip_norm)\n", "", "tests/engine/test_strategy.py -k overflows"),
- ("fedprivacy/fl/strategy.py", "        _check_accounting(self.mechanism, budget_accountant, accountants, target_epsilon)\n", "", "tests/engine/test_strategy.py -k cannot_account"),
+ ("fedprivacy/fl/strategy.py", "        _check_accounting(self.mechanism, acc.budget_accountant, acc.accountants, acc.target_epsilon)\n", "", "tests/engine/test_strategy.py -k cannot_account"),
  ("fedprivacy/privacy/accounting.py", "    return not ((kind == \"prv\" and not all(", "    return True or not ((kind == \"prv\" and not all(", "tests/engine/test_strategy.py -k cannot_account"),
  ("fedprivacy/cli.py", "    check_plugins(cfg, args.allow_plugins)\n", "", "tests/test_config_inputs.py -k allow_plugins"),
  ("fedprivacy/cli.py", "        check_plugins(spec.config, args.allow_plugins)\n", "        pass\n", "tests/test_config_inputs.py -k allow_plugins"),
@@ -86,7 +87,7 @@ MUTATIONS = [
  ("fedprivacy/fl/secure_aggregation.py", "        if not verify_signature(key, keys_transcript(run, state[\"round\"], j, pk1, pk2), signature):", "        if False:", "tests/engine/test_secure_aggregation.py -k not_signed_by"),
  ("fedprivacy/fl/secure_aggregation.py", "    return {\"seed-owners\": active, \"seed-shares\": [seeds[n] for n in active],", "    return {\"seed-owners\": active + dropped, \"seed-shares\": [seeds[n] for n in active + dropped],", "tests/engine/test_secure_aggregation_inputs.py -k crafted_unmask_message"),
  # hardening III: a deployed client takes SecAgg+'s threshold and neighbourhood from its own node config
- ("fedprivacy/fl/client_app.py", "                                          node.threshold, node.neighbours, roster=node.roster,", "                                          secagg.threshold, secagg.neighbours, roster=node.roster,", "tests/engine/test_noise_floor.py -k own_threshold"),
+ ("fedprivacy/fl/client_app.py", "secagg.bits, node.threshold,\n                              node.neighbours,", "secagg.bits, secagg.threshold,\n                              secagg.neighbours,", "tests/engine/test_noise_floor.py -k own_threshold"),
  ("fedprivacy/deploy/local.py", "            items.update({IDENTITY_KEY: str(self.keys[index].private_key), ROSTER_KEY: str(self.roster)})", "            pass", "tests/deploy/test_deploy_units.py -k noise_floor"),
  # hardening III: participation that survives restarts (a cyclic schedule's users keyed by identity, kept in the state)
  ("fedprivacy/fl/strategy.py", "        self.nodes = in_order(identities, order)\n", "        self.nodes = sorted(identities)\n", "tests/engine/test_participation_restart.py::test_restarts_under_shuffled_node_ids_keep_every_user_b_releases_apart[independent-min_separated]"),
@@ -122,6 +123,16 @@ MUTATIONS = [
  ("fedprivacy/optim/disk.py", "        if combination.independent_noise:\n            return None\n", "        if True:\n            return None\n", "tests/engine/test_correlated_run.py -k refuses_disk_with_correlated"),
  ("fedprivacy/privacy/combination.py", "        if reason is not None:\n            raise ValueError(reason)", "        if reason is not None:\n            return", "tests/engine/test_custom_aggregation.py -k refuses_what_it_cannot_combine"),
  ("fedprivacy/fl/strategy.py", "            self.aggregation.adopt(self.mechanism, self.params.numel())\n", "", "tests/engine/test_secure_run.py -k never_exceeds"),
+ # the strategy built from its parts: each part's settings reach what a resume refuses changed, merged once
+ ("fedprivacy/fl/parts.py", "        return {\"expected_cohort\": self.expected_cohort, \"population\": self.population,\n                \"sampling\": part_name", "        return {\"population\": self.population,\n                \"sampling\": part_name", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"clip_norm\": self.clip_norm, \"record_level\"", "        return {\"record_level\"", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"noise_multiplier\": self.noise_multiplier, \"placement\": self.placement,\n                \"noise_stream\"", "        return {\"placement\": self.placement,\n                \"noise_stream\"", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"optimizer\": part_name(self.optimizer), \"lr\": self.lr,", "        return {\"optimizer\": part_name(self.optimizer),", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "        return {\"delta\": self.delta}", "        return {}", "tests/engine/test_strategy_parts.py -k any_parts_setting_changed"),
+ ("fedprivacy/fl/parts.py", "self.server_step, self.accounting, self.aggregation)", "self.server_step, self.accounting)", "tests/engine/test_custom_aggregation.py -k adds_its_settings"),
+ ("fedprivacy/fl/parts.py", "        if taken := sorted(set(given) & set(out)):", "        if False:", "tests/engine/test_strategy_parts.py -k same_setting"),
+ ("fedprivacy/fl/parts.py", "            if not isinstance(getattr(self, name), cls):", "            if False:", "tests/engine/test_strategy_parts.py -k wrong_missing_or_mixed"),
+ ("fedprivacy/config.py", "             \"privacy.aggregation\": cfg.privacy.aggregation,\n", "", "tests/engine/test_custom_aggregation.py -k opt_in"),
  # Flower Datasets: one user, one partition
  ("fedprivacy/data/flower_datasets.py", "            if home.setdefault(user, i) != i:", "            if False:", "tests/data/test_flower_datasets.py -k splits_a_user"),
  ("fedprivacy/data/flower_datasets.py", "    if isinstance(partitioner, NaturalIdPartitioner) and natural_column(partitioner) == user_column:", "    if isinstance(partitioner, NaturalIdPartitioner):", "tests/data/test_flower_datasets.py -k finer_column"),

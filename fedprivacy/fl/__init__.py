@@ -3,7 +3,9 @@ the DP strategy :class:`DPFedAvg`, the client mods :func:`client_noise_mod` and 
 :func:`answer_identity_query` (a cyclic schedule's identity query), and
 :func:`make_record_dp` for record-level DP in a ClientApp, and SecAgg+ with distributed Skellam noise
 (:class:`SecureAggregation`, :func:`secure_aggregation_mod`); how the strategy sums the uploads, a part
-(:class:`Aggregation`: :class:`PlainAggregation`, :class:`SecureAggregationPart`)."""
+(:class:`Aggregation`: :class:`PlainAggregation`, :class:`SecureAggregationPart`) and the strategy's other parts
+(:class:`Participation`, :class:`Bounding`, :class:`Noise`, :class:`ServerStepPart`, :class:`Accounting`); what a
+run keeps around the strategy's rounds (:class:`RunHook`)."""
 
 from typing import TYPE_CHECKING
 
@@ -11,13 +13,16 @@ from fedprivacy.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from fedprivacy.fl.aggregation import Aggregation, PlainAggregation, SecureAggregationPart
+    from fedprivacy.fl.hooks import RunHook
+    from fedprivacy.fl.parts import Accounting, Bounding, Noise, Participation, ServerStepPart
     from fedprivacy.fl.mods import answer_identity_query, client_noise_mod, topk_uplink_mod
     from fedprivacy.fl.record_dp import make_record_dp
     from fedprivacy.fl.secure_aggregation import SecureAggregation, secure_aggregation_mod
     from fedprivacy.fl.strategy import DPFedAvg
 
 __all__ = ["DPFedAvg", "answer_identity_query", "client_noise_mod", "make_record_dp", "SecureAggregation", "secure_aggregation_mod", "topk_uplink_mod",
-           "Aggregation", "PlainAggregation", "SecureAggregationPart"]
+           "Aggregation", "PlainAggregation", "SecureAggregationPart",
+           "RunHook", "Participation", "Bounding", "Noise", "ServerStepPart", "Accounting"]
 
 __getattr__ = lazy_exports(__name__, {
     "DPFedAvg": "fedprivacy.fl.strategy",
@@ -30,4 +35,10 @@ __getattr__ = lazy_exports(__name__, {
     "Aggregation": "fedprivacy.fl.aggregation",
     "PlainAggregation": "fedprivacy.fl.aggregation",
     "SecureAggregationPart": "fedprivacy.fl.aggregation",
+    "RunHook": "fedprivacy.fl.hooks",
+    "Participation": "fedprivacy.fl.parts",
+    "Bounding": "fedprivacy.fl.parts",
+    "Noise": "fedprivacy.fl.parts",
+    "ServerStepPart": "fedprivacy.fl.parts",
+    "Accounting": "fedprivacy.fl.parts",
 })

@@ -33,7 +33,7 @@ import logging
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -105,6 +105,7 @@ class Abort:
     metrics: dict[str, float]
 
 
+@runtime_checkable
 class Aggregation(Protocol):
     """How the strategy turns a round's uploads into one release (module docstring)."""
 

@@ -145,19 +145,8 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         c = cfg if cfg is not None else config_from_context(context)[0]
         if cfg is None:  # a deployed client: the server's noise settings, held against its own node config's floor
             enforce(NoiseFloor.from_node_config(context.node_config), c.privacy)
-        secagg = c.privacy.secure_aggregation
-        if secagg is not None and is_secagg(msg):  # SecAgg+: the protocol's stages, training in its collect stage
-            p, secret = c.privacy, c.privacy.secure_noise or cfg is None
-            assert p.noise_multiplier != "auto", "the server sends the calibrated config"
-            if cfg is None:  # a deployed client: t, k, its identity key and roster from its own node config
-                node = SecAggNode.from_node_config(context.node_config)
-                settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits,
-                                          node.threshold, node.neighbours, roster=node.roster,
-                                          identity_key=node.identity_key)
-            else:
-                settings = ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits,
-                                          secagg.threshold, secagg.neighbours, seed=None if secret else c.seed)
-            return handle(msg, context, settings, train_plain)
+        if c.privacy.secure_aggregation is not None and is_secagg(msg):  # SecAgg+: training in its collect stage
+            return handle(msg, context, _secagg_settings(c, context, deployed=cfg is None), train_plain)
         return train_plain(msg, context)
 
     def train_plain(msg: Message, context: Context) -> Message:
@@ -176,6 +165,21 @@ def build_client_app(cfg: RunConfig | None = None, mods: list[Mod] | None = None
         return reply
 
     return app
+
+
+def _secagg_settings(c: RunConfig, context: Context, deployed: bool) -> ClientSettings:
+    """A client's SecAgg+ settings: the server's noise settings with, on a deployed client (``deployed``), the
+    threshold, neighbourhood, identity key and roster of its own node config and noise from the OS; in a
+    simulation the run's, seeded from the run seed unless ``secure_noise``."""
+    p, secagg = c.privacy, c.privacy.secure_aggregation
+    assert p.noise_multiplier != "auto", "the server sends the calibrated config"
+    assert secagg is not None
+    if deployed:
+        node = SecAggNode.from_node_config(context.node_config)
+        return ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits, node.threshold,
+                              node.neighbours, roster=node.roster, identity_key=node.identity_key)
+    return ClientSettings(p.noise_multiplier, p.clip_norm, p.expected_cohort, secagg.bits, secagg.threshold,
+                          secagg.neighbours, seed=None if p.secure_noise else c.seed)
 
 
 @dataclass(frozen=True)

@@ -205,14 +205,7 @@ def make_record_dp(model: nn.Module, optimizer: torch.optim.Optimizer, data_load
             without ``epochs``; an unknown ``accountant``; ``target_delta`` or ``delta_factor`` outside
             (0, 1); an empty data set (the message names the field).
     """
-    if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("give exactly one of noise_multiplier and target_epsilon")
-    if target_epsilon is not None and epochs is None:
-        raise ValueError("target_epsilon needs epochs (the steps it is calibrated for)")
-    if accountant not in ("rdp", "prv"):
-        raise ValueError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
-    if target_delta is not None and not 0 < target_delta < 1:
-        raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}")
+    _check_arguments(noise_multiplier, target_epsilon, epochs, accountant, target_delta)
     population = len(data_loader.dataset)  # type: ignore[arg-type]  # a map-style dataset has a length
     if population == 0:
         raise ValueError("data_loader.dataset is empty: record-level DP needs at least one record")
@@ -230,6 +223,19 @@ def make_record_dp(model: nn.Module, optimizer: torch.optim.Optimizer, data_load
                                                                    target_delta=delta, epochs=epochs, **common)
     loader = CountedLoader(DPDataLoader.from_data_loader(data_loader, generator=sampling_gen))
     return RecordDP(module, dp_optimizer, loader, engine.accountant, population, delta)
+
+
+def _check_arguments(noise_multiplier: float | None, target_epsilon: float | None, epochs: float | None,
+                     accountant: str, target_delta: float | None) -> None:
+    """Refuse, naming the argument, what :func:`make_record_dp` cannot calibrate or account (its "Raises")."""
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+    if target_epsilon is not None and epochs is None:
+        raise ValueError("target_epsilon needs epochs (the steps it is calibrated for)")
+    if accountant not in ("rdp", "prv"):
+        raise ValueError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
+    if target_delta is not None and not 0 < target_delta < 1:
+        raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}")
 
 
 def _generators(seed: int | None, device: torch.device) -> tuple[torch.Generator, torch.Generator]:

@@ -22,7 +22,6 @@ Flower's DP wrappers are NOT used: they add noise after the wrapped strategy's s
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -36,23 +35,23 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from fedprivacy.config import ConfigError, MicroAdamConfig, RunConfig
+from fedprivacy.config import RunConfig
+from fedprivacy.fl.config_parts import (accounting_of, aggregation_of_config, bounding_of, named_or_plugin,
+                                        noise_of, noise_stream_of, participation_of, server_step_of)
 from fedprivacy.fl.canaries import RunCanaries, population_with_canaries
 from fedprivacy.fl.hooks import RunHook, StopOnRequest
 from fedprivacy.fl.records import model_to_record
 from fedprivacy.fl.run_config import config_from_context
 from fedprivacy.fl.run_hooks import (Canaries, Evaluation, NodeStates, Population, RunRecords, SideInformationRefresh,
                                      Tracking)
-from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.side_information import SideInformationBroadcast
 from fedprivacy.fl.strategy import DPFedAvg, NodeContent
 from fedprivacy.callbacks import RoundCallback
 from fedprivacy.outputs import RunOutputs, noise_mechanism
 from fedprivacy.privacy.accounting import PrivacyLedger, epsilon
 from fedprivacy.privacy.calibration import calibrate_noise_multiplier, solve_noise_multiplier
-from fedprivacy.privacy.correlated import CorrelatedMechanism
-from fedprivacy.privacy.mechanism import AdaptiveClipping, NoiseStreamFactory, planned_ledger
-from fedprivacy.privacy.noise import GaussianNoise, stream_name, torch_seed
+from fedprivacy.privacy.mechanism import planned_ledger
+from fedprivacy.privacy.noise import stream_name, torch_seed
 from fedprivacy.stackoverflow_tasks import data_provenance, ensure_data, load_task
 from fedprivacy.task import Task
 from fedprivacy.tracking import open_tracker
@@ -62,79 +61,18 @@ log = logging.getLogger(__name__)
 MODEL_INIT_STREAM = 0x696E6974  # "init": the initial model's random initialisation, per run seed
 
 
-def server_optimizer_settings(cfg: RunConfig, model: torch.nn.Module) -> dict[str, Any]:
-    """The configured server optimizer's settings (:func:`~fedprivacy.optim.factory.make_server_optimizer`);
-    DP-FedAdamBC's Phi, unless given, comes from the mechanism (:class:`DPFedAvg`)."""
-    s = cfg.server
-    settings: dict[str, Any] = {k: getattr(s, k) for k in s.explicit_settings()}
-    if s.optimizer == "microadam":
-        m = s.microadam or MicroAdamConfig()
-        settings["microadam"] = {
-            "density": m.density, "ring_size": m.ring_size, "bucket_size": m.bucket_size,
-            "stochastic_rounding": m.stochastic_rounding, "seed": cfg.seed, "device": cfg.device,
-            "per_tensor_sizes": [q.numel() for q in model.parameters()] if m.per_tensor else None,
-        }
-    return settings
-
-
-def plugin_factory(field: str, spec: str) -> Any:
-    """The factory a plug-in field (:func:`~fedprivacy.config.plugins`) names as ``module:attribute``.
-
-    Raises:
-        ConfigError: it cannot be imported, or is not callable (naming the field).
-    """
-    module, _, name = spec.partition(":")
-    try:
-        factory: Any = importlib.import_module(module)
-        for part in name.split("."):
-            factory = getattr(factory, part)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{field}={spec!r} cannot be imported: {err}") from None
-    if not callable(factory):
-        raise ConfigError(f"{field}={spec!r} is not a callable factory")
-    return factory
-
-
-def _named_or_plugin(field: str, value: str) -> Any:
-    """A built-in part's name as it is, a plug-in's (``module:factory``) factory."""
-    return plugin_factory(field, value) if ":" in value else value
-
-
-def noise_stream_of(cfg: RunConfig) -> NoiseStreamFactory:
-    """The run's noise-stream factory: ``privacy.mechanism`` (a :class:`CorrelatedMechanism` over ``horizon`` or
-    ``rounds`` releases; BandMF under cyclic Poisson amplified) or ``privacy.noise_stream`` (None: independent
-    Gaussian noise)."""
-    p, m = cfg.privacy, cfg.privacy.mechanism
-    if m.kind == "independent":
-        return GaussianNoise if p.noise_stream is None else plugin_factory("privacy.noise_stream", p.noise_stream)
-    return CorrelatedMechanism(kind=m.kind, horizon=m.horizon or cfg.rounds, groups=p.groups, bands=m.bands,
-                               buffers=m.buffers, amplified=m.kind == "bandmf" and p.sampling == "cyclic_poisson")
-
-
 def build_strategy(cfg: RunConfig, population: int, model: torch.nn.Module, cls: type[DPFedAvg] = DPFedAvg,
                    node_content: NodeContent | None = None, state_dir: str | Path | None = None,
                    hooks: Sequence[RunHook] = ()) -> DPFedAvg:
-    """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``; with
-    ``state_dir`` and ``hooks`` (a checkpoint every ``cfg.checkpoint_every`` rounds), a run's; every accountant's
-    epsilon at the evaluated rounds (every ``eval_every``-th and the last), the budget's at every round."""
-    p, s = cfg.privacy, cfg.server
-    assert p.noise_multiplier != "auto", "resolve_noise_multiplier first"
-    adaptive = (AdaptiveClipping(p.adaptive_clipping.target_quantile, p.adaptive_clipping.learning_rate,
-                                 p.count_stddev) if p.adaptive_clipping else None)
-    return cls(noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-               population=population, sampling=_named_or_plugin("privacy.sampling", p.sampling), placement=p.placement,
-               optimizer=_named_or_plugin("server.optimizer", s.optimizer), lr=s.lr,
-               optimizer_settings=server_optimizer_settings(cfg, model), adaptive_clipping=adaptive,
-               disk_kappa=s.disk.kappa if s.disk else None, disk_gamma=s.disk.gamma if s.disk else 0.5,
-               record_level=cfg.client.sample_dp is not None, delta=p.delta, target_epsilon=p.target_epsilon,
-               budget_accountant=p.budget_accountant, accountants=tuple(p.accountants),
-               seed=None if p.secure_noise else cfg.seed, noise_cohort=p.noise_cohort,
-               noise_population=p.noise_population, device=cfg.device,
-               noise_stream=noise_stream_of(cfg), groups=p.groups, node_content=node_content,
-               secure_aggregation=None if p.secure_aggregation is None else SecureAggregation(
-                   p.secure_aggregation.threshold, p.secure_aggregation.neighbours, p.secure_aggregation.bits,
-                   p.secure_aggregation.timeout_s), state_dir=state_dir, hooks=hooks,
-               checkpoint_every=cfg.checkpoint_every, accountants_every=cfg.eval_every)
+    """The run's :class:`DPFedAvg` (a ``cls``) from ``cfg`` over ``population`` users training ``model``, built from
+    its parts (:mod:`fedprivacy.fl.config_parts`); with ``state_dir`` and ``hooks`` (a checkpoint every
+    ``cfg.checkpoint_every`` rounds), a run's; every accountant's epsilon at the evaluated rounds (every
+    ``eval_every``-th and the last), the budget's at every round."""
+    return cls(participation=participation_of(cfg, population), bounding=bounding_of(cfg), noise=noise_of(cfg),
+               server_step=server_step_of(cfg, model), accounting=accounting_of(cfg),
+               aggregation=aggregation_of_config(cfg), device=cfg.device, node_content=node_content,
+               state_dir=state_dir, hooks=hooks, checkpoint_every=cfg.checkpoint_every,
+               accountants_every=cfg.eval_every)
 
 
 def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = None) -> RunConfig:
@@ -174,7 +112,7 @@ def resolve_noise_multiplier(cfg: RunConfig, population: int, dim: int | None = 
     else:  # cyclic schedules, correlated mechanisms: the events the run's own mechanism will account
         def eps(z: float) -> float:
             planned = planned_ledger(z, cfg.rounds, expected_cohort=p.expected_cohort, population=population,
-                                     sampling=_named_or_plugin("privacy.sampling", p.sampling), groups=p.groups,
+                                     sampling=named_or_plugin("privacy.sampling", p.sampling), groups=p.groups,
                                      noise_stream=noise_stream_of(cfg),
                                      noise_cohort=p.noise_cohort, noise_population=p.noise_population)
             value = epsilon(planned, delta, p.budget_accountant)

@@ -76,12 +76,7 @@ def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int | None, word_co
     elif cfg.source == "top_words":
         tensors = {"embedding.weight": two_level(vocab_size, cfg.top_words, cfg.multiplier)}
     elif cfg.source == "frequency":
-        if cfg.statistics == "word_count":
-            counts = np.fromiter(read_word_counts(word_count_path, vocab_size).values(), dtype=np.float64)
-            counts = np.pad(counts, (0, vocab_size - len(counts)))  # words the file lacks count 0
-            provenance["word_count_file"] = file_identity(word_count_path)
-        else:
-            counts = np.bincount(pool()[0].indices, minlength=vocab_size).astype(np.float64)  # posts per word
+        counts = _word_counts(cfg, vocab_size, word_count_path, pool, provenance)
         tensors = {"embedding.weight": by_frequency(counts, cfg.cap)}
     elif cfg.source == "tfidf":
         tensors = {"embedding.weight": inverse_tfidf(pool()[0], cfg.cap)}
@@ -93,6 +88,17 @@ def build_side_information(cfg: AdaDPSConfig, *, vocab_size: int | None, word_co
         tensors = {name: rmsprop_preconditioner(moment, cfg.eps, cfg.eps_inside_sqrt).detach().cpu()
                    for name, moment in v.items() if cfg.precondition_bias or name.rpartition(".")[2] != "bias"}
     return SideInformation({name: cfg.scale * t for name, t in tensors.items()}, provenance)
+
+
+def _word_counts(cfg: AdaDPSConfig, vocab_size: int | None, word_count_path: Path | None,
+                 pool: Callable[[], tuple[sp.csr_matrix, Any]], provenance: dict[str, Any]) -> np.ndarray:
+    """Each of the ``vocab_size`` words' count for ``frequency``: TFF's word-count file (``statistics:
+    word_count``; recorded in ``provenance``), else the public pool's posts per word."""
+    if cfg.statistics == "word_count":
+        counts = np.fromiter(read_word_counts(word_count_path, vocab_size).values(), dtype=np.float64)
+        provenance["word_count_file"] = file_identity(word_count_path)
+        return np.pad(counts, (0, vocab_size - len(counts)))  # words the file lacks count 0
+    return np.bincount(pool()[0].indices, minlength=vocab_size).astype(np.float64)  # posts per word
 
 
 class SideInformationBroadcast:

@@ -79,7 +79,6 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol, get_args
 
@@ -89,15 +88,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedprivacy.checkpoints import ResumeError
-from fedprivacy.fl.aggregation import Abort, Aggregation, Diagnostics, Released, aggregation_of
+from fedprivacy.fl.aggregation import Abort, Aggregation, Diagnostics, Released
+from fedprivacy.fl.parts import Accounting, Bounding, Noise, Participation, ServerStepPart, strategy_parts
 from fedprivacy.privacy.combination import Combination, refuse_incompatible
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
 from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_content, reply_to_update
 from fedprivacy.fl.hooks import RunHook
 from fedprivacy.fl.strategy_state import StrategyState
-from fedprivacy.optim.disk import DiskFilter
-from fedprivacy.optim.factory import OptimizerName, ServerOptimizerFactory, build_server_optimizer
 from fedprivacy.optim.server_step import ServerStep
 from fedprivacy.callbacks import RoundCallback
 from fedprivacy.privacy.accounting import AccountantKind, resolve_delta
@@ -105,11 +103,9 @@ from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
 from fedprivacy.privacy.client_ledgers import ClientLedgers
 from fedprivacy.fl.secure_aggregation import SecureAggregation
-from fedprivacy.privacy.mechanism import AdaptiveClipping, GaussianMechanism, NoiseStreamFactory, Release
-from fedprivacy.privacy.noise import GaussianNoise, part_name, stream_name
-from fedprivacy.privacy.placement import Placement
+from fedprivacy.privacy.mechanism import GaussianMechanism, Release
+from fedprivacy.privacy.noise import stream_name
 from fedprivacy.privacy.release_log import ReleaseLog
-from fedprivacy.privacy.sampling import Schedule, ScheduleFactory
 from fedprivacy.stopping import RunStopped
 
 log = logging.getLogger(__name__)
@@ -129,62 +125,52 @@ class NodeContent(Protocol):
 
 
 class DPFedAvg(Strategy):
-    """User-level DP-FedAvg with any fedprivacy server optimizer (module docstring).
+    """User-level DP-FedAvg with any fedprivacy server optimizer (module docstring), built from its parts
+    (:mod:`fedprivacy.fl.parts`): who participates, how contributions are bounded, what noise a release carries, how
+    the uploads are summed, what the server does with the private average, and how it is accounted.
+
+    The constructor takes the parts as objects (each states its own settings and mechanism arguments, so a new
+    schedule, optimizer or aggregation needs no edit here), or the keyword form every release before the parts had,
+    mapped onto them in one place (:func:`~fedprivacy.fl.parts.parts_from_keywords`) so that both build the same
+    strategy, bit for bit, with the same :attr:`settings` (a checkpoint written by either resumes under the other)::
+
+        DPFedAvg(participation=Participation(expected_cohort=10, population=100), bounding=Bounding(clip_norm=1.0),
+                 noise=Noise(noise_multiplier=1.0))
+        DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=100)  # the keyword form
 
     Args:
-        noise_multiplier: z (noise std on the sum in units of C).
-        clip_norm: C (the initial C with ``adaptive_clipping``).
-        expected_cohort: m, the expected (Poisson) or exact (fixed) cohort and the fixed divisor.
-        population: N, the number of nodes sampling ranges over (all of them must register).
-        sampling: ``"poisson"`` (add/remove-one), ``"fixed"`` (replace-one), or the cyclic ``"cyclic_poisson"`` and
-            ``"min_separated"`` over ``groups`` groups (add/remove-one; :mod:`fedprivacy.privacy.sampling`); or a
-            schedule of one's own, a :data:`~fedprivacy.privacy.sampling.ScheduleFactory` (accounted by its own
-            ``round_event``; with ``state_dir``, a resume must use the same one).
-        placement: ``central`` (this strategy clips and draws the noise), or ``distributed`` / ``local``
-            (the clients clip and add their noise with :func:`fedprivacy.fl.mods.client_noise_mod`; the
-            strategy sums the uploads as they are and tops up missing distributed shares).
-        optimizer: ``sgd`` (DP-FedAvg; with ``momentum``, DP-FedAvgM), ``adam``, ``yogi``,
-            ``adagrad``, ``adambc`` (Phi from the mechanism), ``microadam``; or a server step of one's own, a
-            :data:`~fedprivacy.optim.factory.ServerOptimizerFactory` called as ``optimizer(lr, **optimizer_settings)``
-            (with ``state_dir``, a resume must use the same one).
-        optimizer_settings: the optimizer's keyword settings (:func:`fedprivacy.optim.factory.make_server_optimizer`).
-        adaptive_clipping: Andrew et al.'s quantile clip, or None.
-        disk_kappa: DiSK's filter gain kappa in (0, 1] (1: the optimizer alone), or None for no DiSK.
-        disk_gamma: DiSK's lookahead step gamma (non-zero).
-        record_level: the clients train with record-level DP and must report its event (above).
-        delta: the target delta in (0, 1) (default ``1 / population``; at least ``1 / population`` is
-            logged as a WARNING: :func:`~fedprivacy.privacy.accounting.resolve_delta`).
-        target_epsilon: stop before the round that would exceed it under ``budget_accountant``.
-        accountants: the epsilons reported (the round's ``epsilon_<accountant>`` metrics).
+        participation: who takes part (:class:`~fedprivacy.fl.parts.Participation`).
+        bounding: how each contribution is bounded (:class:`~fedprivacy.fl.parts.Bounding`).
+        noise: what noise each release carries (:class:`~fedprivacy.fl.parts.Noise`).
+        server_step: the optimizer and DiSK (:class:`~fedprivacy.fl.parts.ServerStepPart`; default SGD, lr 1).
+        accounting: delta, budget, accountants (:class:`~fedprivacy.fl.parts.Accounting`; default delta 1 / N).
+        aggregation: how the uploads become one release, an :class:`~fedprivacy.fl.aggregation.Aggregation`
+            (default :class:`~fedprivacy.fl.aggregation.PlainAggregation`: the server clips, sums and the mechanism
+            adds its noise; :class:`~fedprivacy.fl.aggregation.SecureAggregationPart`: SecAgg+).
+        device: where the model, the sum and the noise live.
+        node_content: what the train messages carry besides the model (:class:`NodeContent`), or None.
+        node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
         accountants_every: every accountant is computed at every this many rounds and at the last planned round;
             at the other rounds only ``budget_accountant``'s, the others' metrics NaN (PRV and PLD build a grid
             per call, about 0.05 s each at the quickstart's 40 rounds; what a round reports is exactly what the
             ledger gives, and the budget check is the same every round).
-        seed: None (default, a deployment's): cohort and noise from the OS's cryptographic source; an int:
-            a reproducible simulation whose cohorts and noise anyone knowing the seed can rebuild.
-        noise_cohort: large-cohort emulation (pfl-research's ``noise_cohort_size``): the noise is scaled so
-            that the epsilon is that of a deployment sampling ``noise_cohort`` of ``noise_population``; it
-            does NOT hold for this run (:class:`GaussianMechanism`).
-        noise_population: the emulated deployment's population (with ``noise_cohort``), or None.
-        device: where the model, the sum and the noise live.
-        noise_stream: the server's noise across rounds (:class:`~fedprivacy.privacy.noise.NoiseStream`; default
-            independent Gaussian noise each round), e.g. a correlated mechanism
-            (:class:`~fedprivacy.privacy.correlated.CorrelatedMechanism`); with ``state_dir``, a resume must use the
-            same one.
-        groups: ``b``, the cyclic schedules' number of groups (their min separation).
-        node_content: what the train messages carry besides the model (:class:`NodeContent`), or None.
-        node_timeout: seconds to wait in round 1 for ``population`` nodes to register.
         state_dir: a folder for the write-ahead release log and the checkpoint (module docstring,
             "Crashes"); None: nothing is kept, and a crash loses the ledger.
         on_round: called with ``(round, metrics)`` after each round's release (module docstring, "Watching a run").
         hooks: what the loop calls around the rounds, in this order (:class:`~fedprivacy.fl.hooks.RunHook`); their
             states are saved with the strategy's and their ``fixed_settings`` refused changed like its settings.
         checkpoint_every: with ``state_dir``, checkpoint after every this many rounds (and at a stop, at the end).
-        secure_aggregation: SecAgg+'s parameters: the clients' Skellam shares summed under secure aggregation
-            (the keyword form of ``aggregation=SecureAggregationPart(secure_aggregation)``), or None.
-        aggregation: how the uploads become one release, an :class:`~fedprivacy.fl.aggregation.Aggregation`
-            (default :class:`~fedprivacy.fl.aggregation.PlainAggregation`: the server clips, sums and the mechanism
-            adds its noise); it builds the mechanism, sends the train messages and makes the release.
+        **keywords: the keyword form instead of the parts: ``noise_multiplier``, ``clip_norm``, ``expected_cohort``,
+            ``population``, ``sampling``, ``placement``, ``optimizer``, ``lr``, ``optimizer_settings``,
+            ``adaptive_clipping``, ``disk_kappa``, ``disk_gamma``, ``record_level``, ``delta``, ``target_epsilon``,
+            ``budget_accountant``, ``accountants``, ``seed``, ``noise_cohort``, ``noise_population``,
+            ``noise_stream``, ``groups`` (each the part's field of that name; ``noise_stream`` is ``Noise.stream``)
+            and ``secure_aggregation`` (``aggregation=SecureAggregationPart(secure_aggregation)``).
+
+    Raises:
+        TypeError: both forms given, a part missing or of the wrong type (naming the parameter).
+        ValueError: parts that cannot run together (:func:`~fedprivacy.privacy.combination.refuse_incompatible`).
+        ResumeError: ``state_dir`` holds a run with other settings (naming them).
     """
 
     mechanism_cls: type[GaussianMechanism] = GaussianMechanism
@@ -194,59 +180,55 @@ class DPFedAvg(Strategy):
     on a second core, during that round's tail and this round's clients (the same draw, bit for bit);
     off only for strategies that change the mechanism mid-round (the audit's broken variants)."""
 
-    def __init__(self, *, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,
-                 sampling: Schedule | ScheduleFactory = "poisson", placement: Placement = "central",
-                 optimizer: OptimizerName | ServerOptimizerFactory = "sgd",
-                 lr: float = 1.0,
-                 optimizer_settings: dict[str, Any] | None = None, adaptive_clipping: AdaptiveClipping | None = None,
-                 disk_kappa: float | None = None, disk_gamma: float = 0.5,
-                 record_level: bool = False, delta: float | None = None, target_epsilon: float | None = None,
-                 budget_accountant: AccountantKind = "rdp", accountants: tuple[AccountantKind, ...] = ("rdp", "pld"),
-                 seed: int | None = None, noise_cohort: int | None = None, noise_population: int | None = None,
-                 device: str | torch.device = "cpu", noise_stream: NoiseStreamFactory = GaussianNoise,
-                 node_content: NodeContent | None = None, groups: int = 1,
-                 secure_aggregation: SecureAggregation | None = None, aggregation: Aggregation | None = None,
+    def __init__(self, *, participation: Participation | None = None, bounding: Bounding | None = None,
+                 noise: Noise | None = None, server_step: ServerStepPart | None = None,
+                 accounting: Accounting | None = None, aggregation: Aggregation | None = None,
+                 device: str | torch.device = "cpu", node_content: NodeContent | None = None,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None,
-                 on_round: RoundCallback | None = None, hooks: Sequence[RunHook] = (),
-                 checkpoint_every: int = 1, accountants_every: int = 1) -> None:
-        self.aggregation = aggregation_of(aggregation, secure_aggregation)
-        self.settings = {"noise_multiplier": noise_multiplier, "clip_norm": clip_norm,
-                         "expected_cohort": expected_cohort, "population": population,
-                         "sampling": part_name(sampling), "placement": placement,
-                         "optimizer": part_name(optimizer), "lr": lr,
-                         "optimizer_settings": dict(optimizer_settings or {}),
-                         "adaptive_clipping": None if adaptive_clipping is None else asdict(adaptive_clipping),
-                         "disk_kappa": disk_kappa, "disk_gamma": disk_gamma, "record_level": record_level,
-                         "delta": delta, "seed": seed, "noise_cohort": noise_cohort,
-                         "noise_population": noise_population,
-                         "noise_stream": stream_name(noise_stream), **({"groups": groups} if groups != 1 else {}),
-                         **self.aggregation.settings()}
+                 on_round: RoundCallback | None = None, hooks: Sequence[RunHook] = (), checkpoint_every: int = 1,
+                 accountants_every: int = 1, **keywords: Any) -> None:
+        self.parts = parts = strategy_parts(participation, bounding, noise, server_step, accounting, aggregation,
+                                            keywords)
+        self.aggregation = parts.aggregation
+        self.settings = parts.settings()
         """What a resumed run may not change (:meth:`fedprivacy.fl.strategy_state.StrategyState.load`)."""
-        mechanism_args: dict[str, Any] = dict(
-            noise_multiplier=noise_multiplier, clip_norm=clip_norm, expected_cohort=expected_cohort,
-            population=population, sampling=sampling, placement=placement, adaptive=adaptive_clipping,
-            noise_cohort=noise_cohort, noise_population=noise_population, seed=seed, device=device,
-            noise_stream=noise_stream, groups=groups)
-        self.secure_aggregation = secure_aggregation
-        self.mechanism: GaussianMechanism = self.aggregation.mechanism(self.mechanism_cls, mechanism_args)
-        disk = None if disk_kappa is None else DiskFilter(disk_kappa, disk_gamma)
-        self.delta = resolve_delta(delta, self.mechanism.claim_population)
-        _check_accounting(self.mechanism, budget_accountant, accountants, target_epsilon)
-        if seed is not None:
+        self.mechanism: GaussianMechanism = self.aggregation.mechanism(
+            self.mechanism_cls, {**parts.mechanism_args(), "device": device})
+        acc, disk = parts.accounting, parts.server_step.disk()
+        self.delta = resolve_delta(acc.delta, self.mechanism.claim_population)
+        _check_accounting(self.mechanism, acc.budget_accountant, acc.accountants, acc.target_epsilon)
+        if parts.noise.seed is not None:
             log.warning("DPFedAvg: SIMULATION: the cohorts and the noise are reproducible from seed=%d (anyone who "
-                        "knows it rebuilds the noise-free sums); seed=None draws them from the OS", seed)
-        self.optimizer = build_server_optimizer(optimizer, lr, optimizer_settings or {}, phi=self.mechanism.phi())
+                        "knows it rebuilds the noise-free sums); seed=None draws them from the OS", parts.noise.seed)
+        self.optimizer = parts.server_step.build_optimizer(self.mechanism.phi())
         refuse_incompatible([self.aggregation, disk, self.optimizer], Combination(
-            record_level=record_level, disk=disk is not None, noise_stream=stream_name(noise_stream),
+            record_level=parts.bounding.record_level, disk=disk is not None,
+            noise_stream=stream_name(parts.noise.stream),
             independent_noise=getattr(self.mechanism.noise, "independent", True)))
         self.step = ServerStep(self.optimizer, disk)
-        self.target_epsilon, self.budget_accountant = target_epsilon, budget_accountant
-        self.accountants = list(accountants)
+        self.target_epsilon, self.budget_accountant = acc.target_epsilon, acc.budget_accountant
+        self.accountants = list(acc.accountants)
         if accountants_every < 1:
             raise ValueError(f"accountants_every must be >= 1, got {accountants_every!r}")
         self.accountants_every = accountants_every
-        self.record_level, self.device = record_level, torch.device(device)
-        self.node_content, self.node_timeout = node_content, node_timeout
+        self.record_level, self.device = parts.bounding.record_level, torch.device(device)
+        self.node_content, self.node_timeout, self.on_round = node_content, node_timeout, on_round
+        self._start_empty()
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
+        self.hooks, self.checkpoint_every = list(hooks), checkpoint_every
+        self.state = None if state_dir is None else StrategyState(state_dir)
+        if self.state is not None:
+            self.state.load(self.fixed_settings(), self.former_settings)  # refused now, before anything runs
+
+    @property
+    def secure_aggregation(self) -> SecureAggregation | None:
+        """SecAgg+'s parameters when the uploads are summed under secure aggregation, else None."""
+        config = getattr(self.aggregation, "config", None)
+        return config if isinstance(config, SecureAggregation) else None
+
+    def _start_empty(self) -> None:
+        """No model, population, cohort or round yet (:meth:`adopt`, :meth:`_population`, :meth:`resume`)."""
         self.client_ledgers = ClientLedgers()  # client-side releases (record-level DP, local noise), per client
         self.params: torch.Tensor | None = None  # x_t, flat, on ``device``
         self.layout: dict[str, tuple[int, ...]] = {}  # parameter name -> shape, in the broadcast's order
@@ -263,13 +245,6 @@ class DPFedAvg(Strategy):
         self.rounds_planned: int | None = None  # the run's last round, when known (no draw is prefetched past it)
         self.empty_rounds: list[int] = []  # rounds in which no sampled client's update was accepted
         self.stopped = False
-        self.on_round = on_round
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
-        self.hooks, self.checkpoint_every = list(hooks), checkpoint_every
-        self.state = None if state_dir is None else StrategyState(state_dir)
-        if self.state is not None:
-            self.state.load(self.fixed_settings(), self.former_settings)  # refused now, before anything runs
 
     # -- Flower's Strategy interface ----------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = 3600,

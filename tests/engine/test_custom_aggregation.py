@@ -8,16 +8,20 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from fedprivacy.checkpoints import ResumeError
+from fedprivacy.checkpoints import ResumeError, load_checkpoint
+from fedprivacy.config import ConfigError, check_plugins
 from fedprivacy.fl.aggregation import (Abort, Aggregation, PlainAggregation, Released, SecureAggregationPart,
                                        aggregation_of)
 from fedprivacy.privacy.combination import Combination
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.optim.broadcast import StepBroadcast
+from fedprivacy.run import run
+from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import SparseUpdate
 
+from test_one_round import _hand_written
 from test_strategy import _flat, _model, _plain_client_app, _start  # this folder is on sys.path (rootdir mode)
 
 
@@ -52,7 +56,7 @@ class CoordinateClipped:
         return mechanism_cls(**args)
 
     def adopt(self, mechanism, dim):
-        assert dim == 200 * 100 + 100
+        self.dim = dim
 
     def messages_for(self, strategy, grid, t, cohort, content):
         return [(node, content) for node in cohort]
@@ -65,6 +69,12 @@ class CoordinateClipped:
         return Released(agg, strategy.mechanism.release(agg, t), diagnostics, {"coordinate_bound": self.bound})
 
 
+def clamping_at_a_hundredth() -> CoordinateClipped:
+    """The plug-in factory ``privacy.aggregation`` names (called with no arguments)."""
+    return CoordinateClipped(0.01)
+
+
+AGGREGATION = f"{__name__}:clamping_at_a_hundredth"
 COMMON = dict(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=4, population=8, delta=1e-3, seed=0)
 
 
@@ -80,7 +90,7 @@ def test_a_bound_that_clamps_nothing_runs_bit_for_bit_as_the_plain_aggregation()
     b = _start(own, _plain_client_app(), 8, rounds=3, lr=0.5)
     assert torch.equal(_flat(a.arrays), _flat(b.arrays))
     assert plain.mechanism.ledger.entries == own.mechanism.ledger.entries and own.mechanism.ledger.rounds == 3
-    assert own.aggregation.rounds == [1, 2, 3]
+    assert own.aggregation.rounds == [1, 2, 3] and own.aggregation.dim == 200 * 100 + 100  # told the model's size
     assert b.train_metrics_clientapp[3]["coordinate_bound"] == 1e9  # the part's own metrics reach the round's
 
 
@@ -218,3 +228,39 @@ def test_two_parts_of_the_step_sending_the_same_name_are_refused_naming_it():
     with pytest.raises(ValueError, match="Lookahead adds 'lookahead' to the broadcast, which another part"):
         _start(DPFedAvg(**COMMON, optimizer=Lookahead, lr=0.5, disk_kappa=0.5), _plain_client_app(), 8, rounds=2,
                lr=0.5)
+
+
+def test_fedprivacy_run_takes_the_part_from_the_config_bit_identically_to_a_hand_written_server_app(small_config,
+                                                                                                    tmp_path):
+    """``privacy.aggregation: module:factory`` through ``fedprivacy run`` releases what ``DPFedAvg(aggregation=...)``
+    releases in a hand-written ServerApp against the same seeded clients, and saves the part's settings."""
+    cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", f"privacy.aggregation={AGGREGATION}")
+    run(cfg)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    p = cfg.privacy
+    strategy = _hand_written(cfg, DPFedAvg(
+        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
+        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants),
+        optimizer_settings={"momentum": 0.9}, aggregation=CoordinateClipped(0.01)))
+    assert torch.equal(strategy.params, saved["params"]) and strategy.aggregation.rounds == [1, 2, 3]
+    assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
+    assert saved["settings"]["coordinate_bound"] == 0.01 and strategy.settings.items() <= saved["settings"].items()
+    unclamped = small_config("rounds=1", f"output_dir={tmp_path / 'plain'}")
+    run(unclamped)
+    assert not torch.equal(load_checkpoint(tmp_path / "plain" / "checkpoint.pt")["params"],
+                           load_checkpoint(tmp_path / "run" / "checkpoint.pt")["params"])
+
+
+def test_the_aggregation_plug_in_is_refused_without_the_opt_in_and_with_what_it_cannot_run_with(small_config):
+    cfg = small_config(f"privacy.aggregation={AGGREGATION}")
+    with pytest.raises(ConfigError, match=r"privacy.aggregation=.*names a plug-in.*--allow-plugins"):
+        check_plugins(cfg, allowed=False)
+    check_plugins(cfg, allowed=True)
+    with pytest.raises(ValueError, match="privacy.aggregation=.* no privacy.secure_aggregation"):
+        small_config(f"privacy.aggregation={AGGREGATION}", "privacy.placement=distributed",
+                     "privacy.secure_aggregation.threshold=3", "privacy.secure_aggregation.neighbours=5",
+                     "privacy.accountants=[rdp]")
+    with pytest.raises(ValueError, match="privacy.aggregation=.* needs a given privacy.noise_multiplier"):
+        small_config(f"privacy.aggregation={AGGREGATION}", "privacy.noise_multiplier=auto", "privacy.target_epsilon=4")
+    with pytest.raises(ValueError, match="privacy.aggregation='no_such_module:Sum' cannot be imported"):
+        run(small_config("privacy.aggregation=no_such_module:Sum"))
