@@ -130,7 +130,7 @@ MUTATIONS = [
  ("fedprivacy/fl/canaries.py", "            msg.content = RecordDict({**msg.content, CANARY_RECORD: record})", "            msg.content[CANARY_RECORD] = record", "tests/engine/test_canaries.py -k client_pipeline"),
  ("fedprivacy/fl/canaries.py", "    if mechanism.noise_cohort is None:\n", "    if True:\n", "tests/engine/test_canaries.py -k large_cohort"),
  ("fedprivacy/config.py", "        if self.engine != \"inprocess\":\n            raise ValueError(f\"privacy.canaries", "        if False:\n            raise ValueError(f\"privacy.canaries", "tests/engine/test_canaries.py -k refused"),
- ("fedprivacy/fl/canary_client.py", "CANARY_NORM = 2.0", "CANARY_NORM = 0.25", "tests/engine/test_canaries_cross_round.py -k separation"),
+ ("fedprivacy/config.py", "    norm: float = Field(2.0, ge=1.0,", "    norm: float = Field(0.25, ge=0.0,", "tests/engine/test_canaries_cross_round.py -k separation"),
  ("fedprivacy/fl/canary_client.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
  ("fedprivacy/fl/run_hooks.py", "        self.canaries.load_state_dict(state[\"canaries\"])\n", "        pass\n", "tests/engine/test_canaries.py -k resume"),
  ("fedprivacy/fl/canaries.py", "        if inc.sum() < 2:  # a draw", "        if False:  # a draw", "tests/engine/test_canary_reports.py -k fewer_than_two"),
