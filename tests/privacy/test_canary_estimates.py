@@ -12,7 +12,7 @@ from scipy.integrate import quad
 from scipy.optimize import brentq
 from scipy.stats import binom, norm
 
-from fedprivacy.privacy.audit_stats import gdp_epsilon
+from fedprivacy.privacy.audit_stats import gdp_delta, gdp_epsilon
 from fedprivacy.privacy.canary_estimates import (EPSILON_BRACKET, _delta_one_way, _variance, cosines,
                                                  gaussian_pair_epsilon, one_run_bound, one_run_epsilon_lower_bound,
                                                  one_run_p_value, one_shot_epsilon)
@@ -97,6 +97,16 @@ def test_pair_epsilon_of_extreme_fits_is_a_number_or_inf(scale, log_ratio, shift
     assert eps <= EPSILON_BRACKET or eps == math.inf
 
 
+@given(scale=_COSINE_SCALE, log_ratio=st.floats(-20, 20).filter(lambda r: r != 0), shift=st.floats(-1e4, 1e4),
+       eps=st.floats(0.0, 5000.0))
+@settings(max_examples=300, deadline=None)
+def test_privacy_profile_is_a_probability_at_any_epsilon(scale, log_ratio, shift, eps):
+    """delta_{P||Q}(eps) = integral of (p - e^eps q)_+ lies in [0, 1] at any eps (to 5000: e^eps alone overflows
+    from 710), either way round, however far apart or unequal the laws."""
+    p, q = (shift * scale, scale * 10.0**log_ratio), (0.0, scale)
+    assert 0.0 <= _delta_one_way(eps, p, q) <= 1.0 and 0.0 <= _delta_one_way(eps, q, p) <= 1.0
+
+
 @given(ratio=st.floats(1e-300, 1e-15), mean=st.floats(-1.0, 1.0), delta=st.sampled_from([1e-6, 1e-5, 1e-3]))
 @settings(max_examples=60, deadline=None)
 def test_a_near_point_mass_reads_as_the_point_mass(ratio, mean, delta):
@@ -114,8 +124,8 @@ def test_equal_stds_far_apart_are_inf_exactly_beyond_the_bracket(mu, delta):
     eps = gaussian_pair_epsilon(mu, 1.0, 0.0, 1.0, delta)
     if eps != math.inf:
         assert eps == gdp_epsilon(mu, delta) <= EPSILON_BRACKET
-    else:
-        assert mu > math.sqrt(2 * EPSILON_BRACKET)  # mu-GDP's epsilon exceeds mu^2/2 - O(mu) at most
+    else:  # the profile at the bracket is still above delta: epsilon > 2^20 (mu-GDP's is mu^2/2 + O(mu))
+        assert gdp_delta(EPSILON_BRACKET, mu) > delta and mu > 1000
 
 
 @pytest.mark.parametrize("field,args", [("mean", (math.nan, 1.0, 0.0, 1.0)), ("std", (0.0, math.inf, 0.0, 1.0)),
