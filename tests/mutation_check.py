@@ -107,7 +107,8 @@ MUTATIONS = [
  # canaries: the every-round statistic is a running maximum kept in the checkpoint; canary node ids never collide
  ("fedprivacy/privacy/canary_estimates.py", "    return np.maximum(running, cos)", "    return cos", "tests/privacy/test_canary_every_round.py -k maximum_over_rounds"),
  ("fedprivacy/fl/canaries.py", "\"round_max\": None if self.round_max is None else self.round_max.tolist()}", "\"round_max\": None}", "tests/engine/test_canary_reports.py -k bit_exactly"),
- ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # stds equal up to rounding", "    if False:  # stds equal up to rounding", "tests/privacy/test_canary_every_round.py -k round_alike"),
+ ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # equal stds (rho = 1)", "    if False:  # equal stds (rho = 1)", "tests/privacy/test_canary_estimates.py -k probability_at_any"),
+ ("fedprivacy/privacy/canary_estimates.py", "    root = -0.5 * (b + math.copysign(math.sqrt(disc), b))", "    root = -0.5 * (b - math.copysign(math.sqrt(disc), b))", "tests/privacy/test_canary_every_round.py -k round_alike"),
  ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k each_rounds_model_change"),
  # a stop between rounds checkpoints every release made
  ("fedprivacy/fl/strategy.py", "                if self.round < num_rounds and any(hook.stop_requested() for hook in self.hooks):", "                if False:", "tests/engine/test_graceful_stop.py -k bit_identically"),

@@ -109,7 +109,7 @@ def _log_prob(region: tuple[str, float, float]) -> float:
 
 def _positive_region(a: float, b: float, c: float) -> tuple[str, float, float]:
     """``{t : a t^2 + b t + c > 0}`` as a :func:`_log_prob` region."""
-    if a == 0:  # stds equal up to rounding: a half-line, or all or nothing
+    if a == 0:  # equal stds (rho = 1): a half-line, or all or nothing
         if b == 0:
             return ("all" if c > 0 else "none", 0.0, 0.0)
         return ("outside", -math.inf, -c / b) if b > 0 else ("outside", -c / b, math.inf)
