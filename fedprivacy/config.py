@@ -497,6 +497,12 @@ class CanaryConfig(_Section):
     checkpoint)."""
     confidence: float = Field(0.95, gt=0.0, lt=1.0)
     """Of the one-shot estimate's interval and of the one-run lower bound."""
+    norm: float = Field(2.0, ge=1.0, allow_inf_nan=False)
+    """An included canary's raw update norm, in multiples of the round's clip bound C: a correct server clips it
+    to exactly C (the estimates do not move), one that does not clip each upload before summing it lets ``norm``
+    x C through. What it tests: that every upload is clipped before it is summed; so only under
+    ``privacy.placement: central`` (elsewhere the client clips its own upload, as a user's does, before noising
+    it). The accounted sensitivity, C, and so the run's claim, do not change."""
     every_round: bool = False
     """Also score every round's model change (an adversary who sees every release): (count + unused) dot products
     of the model's size per round: 8-48 s a round at the quickstart's 5,000,500 parameters and 140 directions on
@@ -869,6 +875,10 @@ class RunConfig(_Section):
         if self.client.sample_dp is not None:
             raise ValueError("privacy.canaries with client.sample_dp: a canary trains on no records, so it has no "
                              "record-level event, and the strategy rejects a reply without one")
+        if p.canaries.norm != CanaryConfig.model_fields["norm"].default and p.placement != "central":
+            raise ValueError(f"privacy.canaries.norm={p.canaries.norm} tests the server's per-upload clipping, which "
+                             f"only privacy.placement='central' has: under {p.placement!r} the canary's client clips "
+                             "its own update before noising it, as a user's does; leave norm at its default")
         return self
 
     def to_json(self) -> str:

@@ -108,7 +108,8 @@ MUTATIONS = [
  # canaries: the every-round statistic is a running maximum kept in the checkpoint; canary node ids never collide
  ("fedprivacy/privacy/canary_estimates.py", "    return np.maximum(running, cos)", "    return cos", "tests/privacy/test_canary_every_round.py -k maximum_over_rounds"),
  ("fedprivacy/fl/canaries.py", "\"round_max\": None if self.round_max is None else self.round_max.tolist()}", "\"round_max\": None}", "tests/engine/test_canary_reports.py -k bit_exactly"),
- ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # stds equal up to rounding", "    if False:  # stds equal up to rounding", "tests/privacy/test_canary_every_round.py -k round_alike"),
+ ("fedprivacy/privacy/canary_estimates.py", "    if a == 0:  # equal stds (rho = 1)", "    if False:  # equal stds (rho = 1)", "tests/privacy/test_canary_estimates.py -k probability_at_any"),
+ ("fedprivacy/privacy/canary_estimates.py", "    root = -0.5 * (b + math.copysign(math.sqrt(disc), b))", "    root = -0.5 * (b - math.copysign(math.sqrt(disc), b))", "tests/privacy/test_canary_every_round.py -k round_alike"),
  ("fedprivacy/fl/canaries.py", "        self.round_max = max_over_rounds(self.round_max, self.scores(params - self._last))", "        self.round_max = max_over_rounds(self.round_max, self.scores(params))", "tests/engine/test_canary_reports.py -k each_rounds_model_change"),
  # a stop between rounds checkpoints every release made
  ("fedprivacy/fl/strategy.py", "                if self.round < num_rounds and any(hook.stop_requested() for hook in self.hooks):", "                if False:", "tests/engine/test_graceful_stop.py -k bit_identically"),
@@ -141,7 +142,12 @@ MUTATIONS = [
  ("fedprivacy/fl/canaries.py", "            msg.content = RecordDict({**msg.content, CANARY_RECORD: record})", "            msg.content[CANARY_RECORD] = record", "tests/engine/test_canaries.py -k client_pipeline"),
  ("fedprivacy/fl/canaries.py", "    if mechanism.noise_cohort is None:\n", "    if True:\n", "tests/engine/test_canaries.py -k large_cohort"),
  ("fedprivacy/config.py", "        if self.engine != \"inprocess\":\n            raise ValueError(f\"privacy.canaries", "        if False:\n            raise ValueError(f\"privacy.canaries", "tests/engine/test_canaries.py -k refused"),
- ("fedprivacy/fl/canary_client.py", "CANARY_NORM = 2.0", "CANARY_NORM = 0.25", "tests/engine/test_canaries_cross_round.py -k separation"),
+ ("fedprivacy/config.py", "    norm: float = Field(2.0, ge=1.0,", "    norm: float = Field(0.25, ge=0.0,", "tests/engine/test_canaries_cross_round.py -k separation"),
+ ("fedprivacy/fl/canary_client.py", "    return canary_direction(seed, i, dim) * (norm * clip_norm) if included", "    return canary_direction(seed, i, dim) * (2.0 * clip_norm) if included", "tests/engine/test_canaries.py -k ten_times_the_clip"),
+ ("fedprivacy/config.py", "        if p.canaries.norm != CanaryConfig.model_fields[\"norm\"].default and p.placement != \"central\":", "        if False:", "tests/engine/test_canaries.py -k norm_off_central"),
+ ("fedprivacy/privacy/canary_estimates.py", "    return 0.0 if x.min() == x.max() else float(x.var(ddof=1))", "    return float(x.var(ddof=1))", "tests/privacy/test_canary_estimates.py -k three_inserted"),
+ ("fedprivacy/privacy/canary_estimates.py", "    p_narrow = s1 <= s0\n", "    p_narrow = True\n", "tests/privacy/test_canary_estimates.py -k near_point_mass"),
+ ("fedprivacy/privacy/canary_estimates.py", "    if excess(EPSILON_BRACKET) > 0:\n        return math.inf\n", "", "tests/privacy/test_canary_estimates.py -k extreme_fits"),
  ("fedprivacy/fl/canary_client.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
  ("fedprivacy/fl/run_hooks.py", "        self.canaries.load_state_dict(state[\"canaries\"])\n", "        pass\n", "tests/engine/test_canaries.py -k resume"),
  ("fedprivacy/fl/canaries.py", "        if inc.sum() < 2:  # a draw", "        if False:  # a draw", "tests/engine/test_canary_reports.py -k fewer_than_two"),

@@ -5,8 +5,10 @@ two empirical privacy estimates from them (:mod:`fedprivacy.privacy.canary_estim
 ``N + k``, the sampler samples them like users, and the epsilon the run reports holds for every member, canaries
 included. Canary ``i`` has the direction :math:`c_i \sim \mathcal N(0, I_d)` and is included with probability
 1/2 (both drawn from a seed held apart from the run's: ``privacy.canaries.seed``, or the OS, kept in the
-checkpoint); whenever it is sampled, an included canary replies :math:`2C_t\,c_i/\|c_i\|` (clipped by the
-server to exactly :math:`C_t`) and an excluded one a zero update. The ``k'`` unused directions never enter the run.
+checkpoint); whenever it is sampled, an included canary replies :math:`\nu C_t\,c_i/\|c_i\|` (``privacy.canaries.norm``
+:math:`\nu \ge 1`, default 2: clipped by the server, or under distributed, local and secure placement by its own
+client, to exactly :math:`C_t`) and an excluded one a zero update. A server that sums the uploads before clipping
+them lets :math:`\nu C_t` through: with :math:`\nu = 10` the canaries see a sensitivity far above the claim's. The ``k'`` unused directions never enter the run.
 
 The canaries are clients: the in-process engine runs ``N + k`` nodes (:func:`population_with_canaries`), the last
 ``k`` the canaries'. :class:`CanaryGrid`, a wrapper of the run's Flower ``Grid``, adds to every message to canary
@@ -90,8 +92,8 @@ class RunCanaries:
         return canary_direction(self.seed, i, self.dim)
 
     def update(self, i: int, clip_norm: float) -> torch.Tensor:
-        """Canary ``i``'s reply: its direction at ``CANARY_NORM * clip_norm`` if included, else zero."""
-        return canary_update(self.seed, i, bool(self.included[i]), self.dim, clip_norm)
+        """Canary ``i``'s reply: its direction at ``privacy.canaries.norm * clip_norm`` if included, else zero."""
+        return canary_update(self.seed, i, bool(self.included[i]), self.dim, clip_norm, self.cfg.norm)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "round_max": None if self.round_max is None else self.round_max.tolist()}
@@ -198,8 +200,8 @@ def claim_of_the_added_noise(mechanism: GaussianMechanism, delta: float, account
 
 class CanaryGrid(Grid):
     """The run's ``grid``, whose last ``count`` partition nodes are the canaries' (module docstring): every message
-    to canary ``i``'s node carries the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD` ``{seed, index, included}``
-    its ClientApp answers with (:func:`~fedprivacy.fl.canary_client.canary_result`); everything else, e.g. the nodes'
+    to canary ``i``'s node carries the :data:`~fedprivacy.fl.canary_client.CANARY_RECORD`
+    ``{seed, index, included, norm}`` its ClientApp answers with (:func:`~fedprivacy.fl.canary_client.canary_result`); everything else, e.g. the nodes'
     states, is the wrapped grid's. The nodes are the grid's partitions in order: an in-process grid names them, real SuperNodes report them
     (:func:`~fedprivacy.fl.population.discover_nodes`; a deployment runs one SuperNode per canary after the users')."""
 
@@ -212,7 +214,8 @@ class CanaryGrid(Grid):
                              f"{canaries.users + canaries.count} nodes (the canaries last)") from None
         self._nodes = nodes
         included = canaries.included
-        self._record = {node: ConfigRecord({"seed": canaries.seed, "index": i, "included": bool(included[i])})
+        self._record = {node: ConfigRecord({"seed": canaries.seed, "index": i, "included": bool(included[i]),
+                                            "norm": canaries.cfg.norm})
                         for i, node in enumerate(nodes[canaries.users:])}
 
     def __getattr__(self, name: str) -> Any:  # node_state_dict, load_node_state_dict, close, partition_nodes, ...

@@ -17,9 +17,9 @@ from fedprivacy.privacy.noise import torch_seed
 from fedprivacy.updates import SparseUpdate
 
 DIRECTION_STREAM = 0x64697263  # "dirc": canary i's direction, per canary seed
-CANARY_NORM = 2.0  # an included canary's norm, in units of the round's clip norm: always clipped to exactly C_t
 CANARY_RECORD = "fedprivacy-canary"
-"""The ``ConfigRecord`` in each message to a canary's node: ``seed`` (the canary seed), ``index``, ``included``."""
+"""The ``ConfigRecord`` in each message to a canary's node: ``seed`` (the canary seed), ``index``, ``included``,
+``norm`` (``privacy.canaries.norm``)."""
 
 
 def canary_direction(seed: int, i: int, dim: int) -> torch.Tensor:
@@ -30,9 +30,10 @@ def canary_direction(seed: int, i: int, dim: int) -> torch.Tensor:
     return c / torch.linalg.vector_norm(c)
 
 
-def canary_update(seed: int, i: int, included: bool, dim: int, clip_norm: float) -> torch.Tensor:
-    """Canary ``i``'s update: its direction at ``CANARY_NORM * clip_norm`` if ``included``, else zero."""
-    return canary_direction(seed, i, dim) * (CANARY_NORM * clip_norm) if included else torch.zeros(dim)
+def canary_update(seed: int, i: int, included: bool, dim: int, clip_norm: float, norm: float) -> torch.Tensor:
+    """Canary ``i``'s update: its direction at ``norm * clip_norm`` if ``included``, else zero (``norm >= 1``:
+    ``privacy.canaries.norm``)."""
+    return canary_direction(seed, i, dim) * (norm * clip_norm) if included else torch.zeros(dim)
 
 
 
@@ -40,7 +41,8 @@ def canary_result(record: ConfigRecord, dim: int, clip_norm: float) -> LocalResu
     """What canary ``record["index"]``'s ClientApp sends instead of training (:meth:`RunCanaries.update`, from the
     :data:`CANARY_RECORD` its node's messages carry): the update then goes through the client's own pipeline (its
     noise share, local noise or SecAgg+ masking) like any client's; no loss, no examples."""
-    update = canary_update(int(record["seed"]), int(record["index"]), bool(record["included"]), dim, clip_norm)
+    update = canary_update(int(record["seed"]), int(record["index"]), bool(record["included"]), dim, clip_norm,
+                           float(record["norm"]))
     return LocalResult(SparseUpdate.dense(update), float("nan"), 0)
 
 

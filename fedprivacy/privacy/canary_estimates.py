@@ -57,10 +57,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy.optimize import brentq
-from scipy.special import log_ndtr, ndtr
+from scipy.special import erf, log_ndtr, ndtr
 from scipy.stats import binom
 
-from fedprivacy.privacy.audit_stats import gdp_epsilon
+from fedprivacy.privacy.audit_stats import gdp_delta, gdp_epsilon
 
 
 def cosines(change: torch.Tensor, directions: torch.Tensor) -> np.ndarray:
@@ -83,50 +83,86 @@ def max_over_rounds(running: np.ndarray | None, round_cosines: np.ndarray) -> np
     return np.maximum(running, cos)
 
 
-def _log_prob(region: tuple[str, float, float], mean: float, std: float) -> float:
-    """``log P(X in region)`` for ``X ~ N(mean, std^2)``; ``region`` is ``("all"|"none"|"outside"|"inside", r1, r2)``."""
-    kind, r1, r2 = region
+EPSILON_BRACKET = 2.0**20
+"""The largest epsilon :func:`gaussian_pair_epsilon` resolves: beyond it the two laws are apart by more than any
+claim tests (``+inf``, read "epsilon > 2^20")."""
+
+
+def _log_prob(region: tuple[str, float, float]) -> float:
+    r"""``log P(X in region)`` for ``X ~ N(0, 1)``; ``region`` is ``("all"|"none"|"outside"|"inside", r1, r2)``:
+    everything, nothing, :math:`(-\infty, r_1) \cup (r_2, \infty)` or :math:`(r_1, r_2)`. Without cancellation: an
+    interval across 0 as two ``erf`` halves (its mass need not be large: it may be narrow), one off it from the
+    tails on its side."""
+    kind, lo, hi = region
     if kind == "all":
         return 0.0
     if kind == "none":
         return -math.inf
-    lo, hi = (r1 - mean) / std, (r2 - mean) / std
     if kind == "outside":
         return float(np.logaddexp(log_ndtr(lo), log_ndtr(-hi)))
-    p = ndtr(-lo) - ndtr(-hi) if lo > 0 else ndtr(hi) - ndtr(lo)  # the accurate tail
+    if lo <= 0 <= hi:
+        p = (erf(hi / math.sqrt(2)) + erf(-lo / math.sqrt(2))) / 2
+    else:
+        p = ndtr(-lo) - ndtr(-hi) if lo > 0 else ndtr(hi) - ndtr(lo)  # the accurate tail
     return math.log(p) if p > 0 else -math.inf
+
+
+def _positive_region(a: float, b: float, c: float) -> tuple[str, float, float]:
+    """``{t : a t^2 + b t + c > 0}`` as a :func:`_log_prob` region."""
+    if a == 0:  # equal stds (rho = 1): a half-line, or all or nothing
+        if b == 0:
+            return ("all" if c > 0 else "none", 0.0, 0.0)
+        return ("outside", -math.inf, -c / b) if b > 0 else ("outside", -c / b, math.inf)
+    disc = b * b - 4 * a * c
+    if disc <= 0:
+        return ("all" if a > 0 else "none", 0.0, 0.0)
+    root = -0.5 * (b + math.copysign(math.sqrt(disc), b))  # the roots without cancellation: root / a and c / root
+    r1, r2 = sorted((root / a, c / root))
+    return ("outside" if a > 0 else "inside", r1, r2)
 
 
 def _delta_one_way(eps: float, p: tuple[float, float], q: tuple[float, float]) -> float:
     r""":math:`\delta_{P\|Q}(\varepsilon) = P(L > \varepsilon) - e^\varepsilon Q(L > \varepsilon)` for two Gaussians
-    ``(mean, std)`` of unequal stds: :math:`L(x) = a x^2 + b x + c` (module docstring)."""
+    ``(mean, std)`` of unequal stds (module docstring), in the standard coordinate of the NARROWER law
+    :math:`(m_n, s_n)`, :math:`x = m_n + s_n t`: with :math:`\rho = s_n/s_w \le 1` and :math:`D = (m_n - m_w)/s_w`,
+
+    .. math:: \log\frac{dN}{dW} = -\log\rho + D^2/2 + D\rho\, t - (1 - \rho^2)\, t^2/2,
+
+    (:math:`L` or :math:`-L`), and the wider law's standard coordinate is :math:`D + \rho t`. Every coefficient is
+    of the order of the answer. (Written in ``x``, the coefficients carry :math:`m^2/2s^2`, which cancel: a std of
+    1e-14 beside means of 1e-2 gave a region where there is none, and :math:`e^\varepsilon Q` overflowed.) On
+    :math:`\{L > \varepsilon\}`, :math:`e^\varepsilon q < p`, so the result is
+    :math:`P(1 - e^{\varepsilon + \log Q - \log P}) \ge 0`; a rounding that says otherwise gives 0."""
     (m1, s1), (m0, s0) = (float(v) for v in p), (float(v) for v in q)
-    a = 1 / (2 * s0**2) - 1 / (2 * s1**2)
-    b = m1 / s1**2 - m0 / s0**2
-    c = math.log(s0 / s1) - m1**2 / (2 * s1**2) + m0**2 / (2 * s0**2) - eps
-    disc = b * b - 4 * a * c
-    if a == 0:  # stds equal up to rounding: L is linear, {L > eps} a half-line
-        region = ("outside", -math.inf, -c / b) if b > 0 else ("outside", -c / b, math.inf)
-    elif disc <= 0:
-        region = ("all", 0.0, 0.0) if a > 0 else ("none", 0.0, 0.0)
-    else:  # the roots without cancellation (nearly equal stds make a tiny): q / a and c / q
-        q = -0.5 * (b + math.copysign(math.sqrt(disc), b))
-        r1, r2 = sorted((q / a, c / q))
-        region = ("outside" if a > 0 else "inside", r1, r2)
-    return math.exp(_log_prob(region, m1, s1)) - math.exp(eps + _log_prob(region, m0, s0))
+    p_narrow = s1 <= s0
+    (mn, sn), (mw, sw) = ((m1, s1), (m0, s0)) if p_narrow else ((m0, s0), (m1, s1))
+    rho, shift = sn / sw, (mn - mw) / sw
+    a, b, c = -(1 - rho) * (1 + rho) / 2, shift * rho, -math.log(rho) + shift * shift / 2
+    sign = 1.0 if p_narrow else -1.0  # L = log dP/dQ = sign * log dN/dW
+    kind, r1, r2 = _positive_region(sign * a, sign * b, sign * c - eps)
+    log_narrow, log_wide = _log_prob((kind, r1, r2)), _log_prob((kind, shift + rho * r1, shift + rho * r2))
+    log_p, log_q = (log_narrow, log_wide) if p_narrow else (log_wide, log_narrow)
+    if log_p == -math.inf or eps + log_q >= log_p:
+        return 0.0
+    return -math.exp(log_p) * math.expm1(eps + log_q - log_p)
 
 
 def gaussian_pair_epsilon(mean: float, std: float, null_mean: float, null_std: float, delta: float) -> float:
     """The epsilon at ``delta`` of distinguishing N(mean, std^2) from N(null_mean, null_std^2), in either
-    direction (module docstring); equal stds: :func:`~fedprivacy.privacy.audit_stats.gdp_epsilon`."""
+    direction (module docstring); equal stds: :func:`~fedprivacy.privacy.audit_stats.gdp_epsilon`. ``+inf`` where
+    it exceeds :data:`EPSILON_BRACKET` (or a std is 0 and the other not, or both are 0 and the means differ)."""
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if not all(math.isfinite(v) for v in (mean, std, null_mean, null_std)):
+        raise ValueError(f"means and standard deviations must be finite, got mean={mean}, std={std}, "
+                         f"null_mean={null_mean}, null_std={null_std}")
     if std < 0 or null_std < 0:
         raise ValueError(f"standard deviations must be non-negative, got {std} and {null_std}")
     if std == null_std:
         if std == 0:
             return 0.0 if mean == null_mean else math.inf
-        return gdp_epsilon(abs(mean - null_mean) / std, delta)
+        mu = abs(mean - null_mean) / std
+        return math.inf if gdp_delta(EPSILON_BRACKET, mu) > delta else gdp_epsilon(mu, delta)
     if std == 0 or null_std == 0:  # a point mass against a Gaussian: the point itself tells them apart
         return math.inf
     p, q = (mean, std), (null_mean, null_std)
@@ -136,11 +172,11 @@ def gaussian_pair_epsilon(mean: float, std: float, null_mean: float, null_std: f
 
     if excess(0.0) <= 0:
         return 0.0
+    if excess(EPSILON_BRACKET) > 0:
+        return math.inf
     hi = 1.0
     while excess(hi) > 0:
         hi *= 2
-        if hi > 1e6:
-            return math.inf
     return float(brentq(excess, 0.0, hi, xtol=1e-10))
 
 
@@ -163,10 +199,16 @@ class OneShotEstimate:
     null_std: float
 
 
+def _variance(x: np.ndarray) -> float:
+    """The sample variance (``ddof=1``), exactly 0 for equal values: numpy's is their mean's rounding error squared
+    otherwise (3 copies of 3.27e-3: std 5.3e-19, a separate-variances fit that reads a point mass as a Gaussian)."""
+    return 0.0 if x.min() == x.max() else float(x.var(ddof=1))
+
+
 def _fit_epsilons(observed: np.ndarray, null: np.ndarray, delta: float) -> tuple[float, float]:
     """(pooled-variance epsilon, separate-variances epsilon) of the two fitted Gaussians."""
     m1, m0 = float(observed.mean()), float(null.mean())
-    v1, v0 = float(observed.var(ddof=1)), float(null.var(ddof=1))
+    v1, v0 = _variance(observed), _variance(null)
     pooled = math.sqrt(((observed.size - 1) * v1 + (null.size - 1) * v0) / (observed.size + null.size - 2))
     return (gaussian_pair_epsilon(m1, pooled, m0, pooled, delta),
             gaussian_pair_epsilon(m1, math.sqrt(v1), m0, math.sqrt(v0), delta))
@@ -188,8 +230,8 @@ def one_shot_epsilon(observed: np.ndarray, unobserved: np.ndarray, delta: float,
     low, high = np.quantile(boot, [tail, 1 - tail], axis=0, method="inverted_cdf")  # inf: an ordinary order statistic
     pooled, separate = _fit_epsilons(obs, null, delta)
     return OneShotEstimate(pooled, (float(low[0]), float(high[0])), separate, (float(low[1]), float(high[1])),
-                           confidence, obs.size, null.size, float(obs.mean()), float(obs.std(ddof=1)),
-                           float(null.mean()), float(null.std(ddof=1)))
+                           confidence, obs.size, null.size, float(obs.mean()), math.sqrt(_variance(obs)),
+                           float(null.mean()), math.sqrt(_variance(null)))
 
 
 def one_run_p_value(canaries: int, guesses: int, correct: int, eps: float, delta: float) -> float:

@@ -3,6 +3,9 @@ and accounted like users, their update sent through the client's own pipeline (i
 SecAgg+ masking) in every placement and mechanism, and the two empirical epsilons in summary.json."""
 
 import json
+import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +22,7 @@ from fedprivacy.config import CanaryConfig, ConfigError
 from fedprivacy.engines.inprocess import InProcessGrid, run_inprocess
 from fedprivacy.fl import mods
 from fedprivacy.fl.canaries import CanaryGrid, RunCanaries
-from fedprivacy.fl.canary_client import CANARY_NORM, CANARY_RECORD, canary_mod
+from fedprivacy.fl.canary_client import CANARY_RECORD, canary_mod
 from fedprivacy.fl.client_app import build_client_app
 from fedprivacy.fl.mods import noised_upload
 from fedprivacy.fl.records import arrays_to_vector, float32_arrays, model_to_record, record_to_update
@@ -31,6 +34,9 @@ from fedprivacy.privacy.placement import client_noise_std
 from fedprivacy.run import run
 from fedprivacy.updates import SparseUpdate
 from fedprivacy.stackoverflow_tasks import load_task
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from canary_broken_servers import canary_run, run_overrides  # noqa: E402  (the script's own run)
 
 CANARIES = ("privacy.canaries={count: 40, unused: 100, seed: 3}", "privacy.delta=1e-5", "privacy.noise_multiplier=1.0",
             "privacy.budget_accountant=pld", "rounds=20", "eval_every=20", "checkpoint_every=20")
@@ -82,6 +88,19 @@ def test_a_mechanism_with_too_little_noise_exceeds_the_claim(small_config, broke
     assert e["andrew"]["interval"][0] > claim, e["andrew"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("server, caught", [("unclipped", True), ("correct", False)])
+def test_a_canary_of_ten_times_the_clip_catches_a_server_that_does_not_clip_each_upload(small_data, tmp_path,
+                                                                                       server, caught):
+    """privacy.canaries.norm: 10: an included canary uploads 10 C. A correct server clips it to C (the run stays
+    within its claim); one that sums the uploads unclipped lets 10 C through, and the one-shot interval starts
+    above the claim (40 canaries, 20 rounds: the size at which half the noise passes unseen)."""
+    summary, _ = canary_run(server, run_overrides(tmp_path / "run", canaries=40, unused=100, rounds=20, cohort=8,
+                                                  norm=10.0), small_data)
+    e = summary["empirical_epsilon"]
+    assert (e["andrew"]["interval"][0] > e["epsilon_claimed"]) == caught, e["andrew"]
+
+
 @pytest.mark.parametrize("placement", ["central", "distributed"])
 def test_resume_keeps_the_canaries_drawn_from_the_os(small_config, tmp_path, placement):
     """Without a seed the canaries come from the OS; the checkpoint keeps it, so a resumed run ends as a run that
@@ -104,7 +123,9 @@ def test_canaries_are_reproducible_from_their_seed_and_clipped_to_c():
     assert (a.included == b.included).all() and 60 < a.included.sum() < 140
     assert torch.equal(a.direction(3), b.direction(3)) and not torch.equal(a.direction(3), a.direction(4))
     i, o = int(np.flatnonzero(a.included)[0]), int(np.flatnonzero(~a.included)[0])
-    assert float(a.update(i, 0.7).norm()) == pytest.approx(CANARY_NORM * 0.7) and CANARY_NORM > 1
+    assert float(a.update(i, 0.7).norm()) == pytest.approx(2.0 * 0.7)  # privacy.canaries.norm: 2 by default
+    ten = RunCanaries(CanaryConfig(count=200, seed=9, norm=10.0), users=5, dim=300)
+    assert torch.allclose(ten.update(i, 0.7), a.update(i, 0.7) * 5) and not ten.update(o, 0.7).any()
     assert not a.update(o, 0.7).any()
     with pytest.raises(ValueError, match="privacy.canaries.seed=9 differs"):
         a.load_state_dict({"seed": 10})
@@ -162,7 +183,7 @@ def test_canary_mod_makes_any_client_app_answer_as_a_canary_before_its_noise(sma
     i = int(np.flatnonzero(canaries.included)[0])
     config = ConfigRecord({"server-round": 1, "clip-norm": 0.7})
     content = RecordDict({"arrays": model_to_record(model), "config": config,
-                          CANARY_RECORD: ConfigRecord({"seed": 5, "index": i, "included": True})})
+                          CANARY_RECORD: ConfigRecord({"seed": 5, "index": i, "included": True, "norm": 2.0})})
     context = Context(run_id=1, node_id=2, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
     reply = app(Message(content, dst_node_id=2, message_type="train"), context)
     x = arrays_to_vector(float32_arrays(content["arrays"]))
@@ -212,11 +233,23 @@ def test_unsupported_runs_are_refused_naming_the_field(small_config, option, mes
         small_config("privacy.canaries={count: 8}", option)
 
 
-@given(count=st.integers(-3, 10), unused=st.integers(-3, 10), confidence=st.floats(-0.5, 1.5))
-def test_canary_section_bounds(count, unused, confidence):
-    ok = count >= 4 and unused >= 2 and 0 < confidence < 1
+@pytest.mark.parametrize("placement", ["distributed", "local"])
+def test_a_canary_norm_off_central_placement_is_refused(small_config, placement):
+    """privacy.canaries.norm tests the server's per-upload clip; elsewhere the canary's client clips its own upload
+    (as a user's does), so a norm other than the default would test nothing: refused, naming the field."""
+    with pytest.raises(ConfigError, match=f"privacy.canaries.norm=10.0 tests the server's per-upload clipping.*"
+                                          f"under '{placement}'"):
+        small_config("privacy.canaries={count: 8, norm: 10}", f"privacy.placement={placement}")
+    assert small_config("privacy.canaries={count: 8, norm: 2}", f"privacy.placement={placement}")
+    assert small_config("privacy.canaries={count: 8, norm: 10}").privacy.canaries.norm == 10.0
+
+
+@given(count=st.integers(-3, 10), unused=st.integers(-3, 10), confidence=st.floats(-0.5, 1.5),
+       norm=st.one_of(st.floats(-2.0, 20.0), st.sampled_from([math.inf, math.nan])))
+def test_canary_section_bounds(count, unused, confidence, norm):
+    ok = count >= 4 and unused >= 2 and 0 < confidence < 1 and 1 <= norm < math.inf
     try:
-        CanaryConfig(count=count, unused=unused, confidence=confidence)
+        CanaryConfig(count=count, unused=unused, confidence=confidence, norm=norm)
     except ValueError as err:
         assert not ok, err
     else:

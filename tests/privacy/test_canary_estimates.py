@@ -12,9 +12,10 @@ from scipy.integrate import quad
 from scipy.optimize import brentq
 from scipy.stats import binom, norm
 
-from fedprivacy.privacy.audit_stats import gdp_epsilon
-from fedprivacy.privacy.canary_estimates import (_delta_one_way, cosines, gaussian_pair_epsilon, one_run_bound,
-                                                 one_run_epsilon_lower_bound, one_run_p_value, one_shot_epsilon)
+from fedprivacy.privacy.audit_stats import gdp_delta, gdp_epsilon
+from fedprivacy.privacy.canary_estimates import (EPSILON_BRACKET, _delta_one_way, _variance, cosines,
+                                                 gaussian_pair_epsilon, one_run_bound, one_run_epsilon_lower_bound,
+                                                 one_run_p_value, one_shot_epsilon)
 
 DELTA = 1e-5
 
@@ -62,6 +63,104 @@ def test_point_masses():
     assert gaussian_pair_epsilon(0.0, 0.0, 0.0, 0.0, DELTA) == 0.0
     with pytest.raises(ValueError, match="delta"):
         gaussian_pair_epsilon(0.0, 1.0, 0.0, 1.0, 0.0)
+
+
+def test_three_inserted_canaries_bootstrap_without_overflow():
+    """The OverflowError of an OS-seeded 8-canary run: 3 canaries included, a bootstrap resample drew one of
+    them 3 times, numpy's variance of 3 equal values was its mean's rounding error (std 5e-19, not 0), and the
+    separate-variances fit of that near point mass overflowed e^eps Q. The variance of equal values is 0 (a point
+    mass: +inf), and the estimate ends with numbers."""
+    a = 0.0028412428893877266
+    assert np.array([a, a, a]).std(ddof=1) > 0 and _variance(np.array([a, a, a])) == 0.0
+    rng = np.random.default_rng(10)
+    obs, null = rng.normal(0.004, 0.003, 3), rng.normal(0.0, 0.003, 16)
+    est = one_shot_epsilon(obs, null, DELTA, rng=np.random.default_rng(10), resamples=1000)
+    assert math.isfinite(est.epsilon) and est.interval[0] <= est.epsilon
+    assert est.interval_separate[1] == math.inf  # resamples of one value: a point mass against a Gaussian
+
+
+_COSINE_SCALE = st.floats(1e-6, 1.0)
+
+
+@given(scale=_COSINE_SCALE, log_ratio=st.floats(-20, 20), shift=st.floats(-1e4, 1e4), centre=st.floats(-3, 3),
+       delta=st.sampled_from([1e-6, 1e-5, 1e-3]))
+@settings(max_examples=300, deadline=None)
+def test_pair_epsilon_of_extreme_fits_is_a_number_or_inf(scale, log_ratio, shift, centre, delta):
+    """Any two Gaussian fits (std ratio 1e-20..1e20, means up to 1e4 stds apart, at a cosine's scale): a
+    non-negative epsilon or +inf, never an exception (the old quadratic in x overflowed at a std of 1e-14 beside
+    means of 1e-2), and the same either way round."""
+    null = (centre * scale, scale)
+    fit = (centre * scale + shift * scale, scale * 10.0**log_ratio)
+    eps = gaussian_pair_epsilon(*fit, *null, delta)
+    assert eps >= 0 and not math.isnan(eps)
+    assert eps == gaussian_pair_epsilon(*null, *fit, delta)
+    assert eps <= EPSILON_BRACKET or eps == math.inf
+
+
+@given(scale=_COSINE_SCALE, log_ratio=st.one_of(st.just(0.0), st.floats(-20, 20)), shift=st.floats(-1e4, 1e4),
+       eps=st.floats(0.0, 5000.0))
+@settings(max_examples=300, deadline=None)
+def test_privacy_profile_is_a_probability_at_any_epsilon(scale, log_ratio, shift, eps):
+    """delta_{P||Q}(eps) = integral of (p - e^eps q)_+ lies in [0, 1] at any eps (to 5000: e^eps alone overflows
+    from 710), either way round, however far apart or unequal (or equal) the laws."""
+    p, q = (shift * scale, scale * 10.0**log_ratio), (0.0, scale)
+    assert 0.0 <= _delta_one_way(eps, p, q) <= 1.0 and 0.0 <= _delta_one_way(eps, q, p) <= 1.0
+
+
+@given(ratio=st.floats(1e-300, 1e-15), mean=st.floats(-1.0, 1.0), delta=st.sampled_from([1e-6, 1e-5, 1e-3]))
+@settings(max_examples=60, deadline=None)
+def test_a_near_point_mass_reads_as_the_point_mass(ratio, mean, delta):
+    """A std 1e-15..1e-300 of the other's is distinguished as a point mass is (+inf): the other law puts its mass
+    where the narrow one has none at any epsilon the bracket expresses."""
+    assert gaussian_pair_epsilon(mean * 0.003, ratio * 0.003, 0.0, 0.003, delta) == math.inf
+    assert gaussian_pair_epsilon(mean * 0.003, 0.0, 0.0, 0.003, delta) == math.inf
+
+
+@given(mu=st.floats(1.0, 1e300), delta=st.sampled_from([1e-6, 1e-5, 1e-3]))
+@settings(max_examples=60, deadline=None)
+def test_equal_stds_far_apart_are_inf_exactly_beyond_the_bracket(mu, delta):
+    """Equal stds: the GDP conversion while it is within :data:`EPSILON_BRACKET`, +inf beyond (mu up to 1e300:
+    gdp_epsilon's own doubling overflowed from mu 1e154)."""
+    eps = gaussian_pair_epsilon(mu, 1.0, 0.0, 1.0, delta)
+    if eps != math.inf:
+        assert eps == gdp_epsilon(mu, delta) <= EPSILON_BRACKET
+    else:  # the profile at the bracket is still above delta: epsilon > 2^20 (mu-GDP's is mu^2/2 + O(mu))
+        assert gdp_delta(EPSILON_BRACKET, mu) > delta and mu > 1000
+
+
+@pytest.mark.parametrize("field,args", [("mean", (math.nan, 1.0, 0.0, 1.0)), ("std", (0.0, math.inf, 0.0, 1.0)),
+                                        ("null_mean", (0.0, 1.0, -math.inf, 1.0)),
+                                        ("null_std", (0.0, 1.0, 0.0, math.nan))])
+def test_non_finite_fits_are_refused_by_name(field, args):
+    """Cosines of a diverged model (NaN or inf) are refused with the field named, not fed to the root finder."""
+    with pytest.raises(ValueError, match=f"{field}="):
+        gaussian_pair_epsilon(*args, DELTA)
+
+
+@given(n=st.integers(2, 4), values=st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=3),
+       null_equal=st.booleans(), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_one_shot_estimate_of_few_or_equal_cosines_ends_with_numbers(n, values, null_equal, seed):
+    """2-4 inserted canaries drawn from 1-3 distinct cosines (identical ones, all-zero ones), against a null that
+    may be constant too: every resample's fit is a number or +inf and the interval is ordered."""
+    rng = np.random.default_rng(seed)
+    obs = rng.choice(np.array(values), n)
+    null = np.zeros(5) if null_equal else rng.normal(0.0, 0.003, 5)
+    est = one_shot_epsilon(obs, null, DELTA, rng=rng, resamples=20)
+    for e, (lo, hi) in ((est.epsilon, est.interval), (est.epsilon_separate, est.interval_separate)):
+        assert e >= 0 and lo <= hi and not math.isnan(lo + hi)
+
+
+@given(canaries=st.integers(1, 10**6), data=st.data(), delta=st.floats(1e-12, 0.5), beta=st.floats(1e-6, 0.5))
+@settings(max_examples=80, deadline=None)
+def test_one_run_bound_of_extreme_counts_is_finite(canaries, data, delta, beta):
+    """Steinke et al.'s bound at any counts (all guesses right, none right, one canary, a million) and delta up
+    to 1/2: a finite epsilon >= 0 (its search doubles while the p-value stays below beta, which ends: the p-value
+    tends to 1 as epsilon grows)."""
+    guesses = data.draw(st.integers(0, min(canaries, 2000)))
+    correct = data.draw(st.integers(0, guesses))
+    eps = one_run_epsilon_lower_bound(canaries, guesses, correct, delta, beta)
+    assert 0 <= eps < math.inf
 
 
 def _gaussian_release(z: float, inserted: int, unobserved: int, dim: int, seed: int, noise: bool = True):
