@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federated:grid", "study_b_reddi_tags",
                              "study_c_next_word", "study_e_lr_grid:grid"},
         "docs/audit.md": {"canaries_quickstart:canaries", "canaries_quickstart_120:canaries"},
+        "docs/DEPLOYMENT.md": {"canary_deployment:canaries", "canary_deployment_inprocess:canaries"},
         "docs/COMPARISON.md": {"compare_adambc_regime", "compare_adambc_regime:grid", "compare_adambc_low_noise",
                                "compare_server_optimizers", "compare_server_optimizers:grid"}}
 
