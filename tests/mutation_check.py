@@ -129,7 +129,7 @@ MUTATIONS = [
  ("fedprivacy/fl/client_app.py", "        canary = msg.content.config_records.get(CANARY_RECORD)\n", "        canary = None\n", "tests/engine/test_canaries.py -k client_pipeline"),
  ("fedprivacy/fl/canaries.py", "            msg.content = RecordDict({**msg.content, CANARY_RECORD: record})", "            msg.content[CANARY_RECORD] = record", "tests/engine/test_canaries.py -k client_pipeline"),
  ("fedprivacy/fl/canaries.py", "    if mechanism.noise_cohort is None:\n", "    if True:\n", "tests/engine/test_canaries.py -k large_cohort"),
- ("fedprivacy/config.py", "        if self.engine != \"inprocess\":\n            raise ValueError(f\"privacy.canaries", "        if False:\n            raise ValueError(f\"privacy.canaries", "tests/engine/test_canaries.py -k refused"),
+ ("fedprivacy/run.py", "run_ray(server_app, client_app, population_with_canaries(cfg, task.population), cfg.ray)", "run_ray(server_app, client_app, task.population, cfg.ray)", "tests/engine/test_ray_engine.py -k canaries"),
  ("fedprivacy/fl/canary_client.py", "CANARY_NORM = 2.0", "CANARY_NORM = 0.25", "tests/engine/test_canaries_cross_round.py -k separation"),
  ("fedprivacy/fl/canary_client.py", "    record = msg.content.config_records.get(CANARY_RECORD)\n", "    record = None\n", "tests/engine/test_canaries.py -k canary_mod"),
  ("fedprivacy/fl/run_hooks.py", "        self.canaries.load_state_dict(state[\"canaries\"])\n", "        pass\n", "tests/engine/test_canaries.py -k resume"),
