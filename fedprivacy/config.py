@@ -869,9 +869,6 @@ class RunConfig(_Section):
         p = self.privacy
         if p.canaries is None:
             return self
-        if self.engine != "inprocess":
-            raise ValueError(f"privacy.canaries needs engine='inprocess', got engine={self.engine!r}: the canaries' "
-                             "nodes are the in-process engine's last privacy.canaries.count nodes (fedprivacy.fl.canaries)")
         if self.client.sample_dp is not None:
             raise ValueError("privacy.canaries with client.sample_dp: a canary trains on no records, so it has no "
                              "record-level event, and the strategy rejects a reply without one")

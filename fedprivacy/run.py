@@ -63,7 +63,7 @@ def run(cfg: RunConfig, resume: bool = False, on_round: RoundCallback | None = N
         else:
             from fedprivacy.engines.ray import run_ray
 
-            run_ray(server_app, client_app, task.population, cfg.ray)
+            run_ray(server_app, client_app, population_with_canaries(cfg, task.population), cfg.ray)
     summary_path = Path(cfg.output_dir) / "summary.json"
     if not summary_path.exists() or summary_path.stat().st_mtime < started:
         raise RuntimeError(f"the {cfg.engine} engine finished without writing {summary_path}; see the log above")

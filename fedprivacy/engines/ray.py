@@ -1,6 +1,7 @@
 """Flower's Simulation Engine (Ray backend), running the same ServerApp and ClientApp.
 
-Each of the ``population`` virtual SuperNodes gets ``partition-id`` = its client index. Flower
+Each of the ``population`` virtual SuperNodes gets ``partition-id`` = its client index (the users', then
+``privacy.canaries.count`` canaries', :func:`~fedprivacy.fl.canaries.population_with_canaries`). Flower
 runs ClientApps in Ray actors sized by ``ray.num_cpus`` / ``ray.num_gpus`` (fractional GPUs
 allowed). With ``ray.address`` set they run on that existing Ray cluster (every node with a free
 ``ray.num_cpus``/``ray.num_gpus`` slot hosts actors; the ServerApp stays in this process), else on

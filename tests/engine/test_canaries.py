@@ -225,7 +225,6 @@ def test_large_cohort_emulation_is_tested_against_the_noise_actually_added(small
 
 
 @pytest.mark.parametrize("option, message", [
-    ("engine=ray", "privacy.canaries needs engine='inprocess', got engine='ray'"),
     ("client.sample_dp={noise_multiplier: 1.0}", "privacy.canaries with client.sample_dp: a canary trains on no "),
 ])
 def test_unsupported_runs_are_refused_naming_the_field(small_config, option, message):

@@ -47,3 +47,19 @@ def test_same_config_and_seed_give_the_same_model_on_ray_and_in_process(small_co
         for column in ("cohort_accepted", "side_information_bytes", "residual_bytes_per_client"):
             assert m_in[column].tolist() == m_ray[column].tolist(), column
         assert m_in["side_information_bytes"].iloc[1:].lt(m_in["side_information_bytes"].iloc[0]).all()
+
+
+def test_canaries_on_ray_are_the_extra_virtual_supernodes_and_read_as_in_process(small_config, tmp_path):
+    """Ray's Simulation Engine runs N + k virtual SuperNodes, the canaries' last (as the in-process engine and a
+    deployment do): same population, same claim, and the same estimates up to the order replies are summed in."""
+    common = ("rounds=3", "eval_every=3", "privacy.expected_cohort=6", "ray.num_cpus=1",
+              "privacy.canaries={count: 8, unused: 20, seed: 0, every_round: true}")
+    s_in = run(small_config(*common, f"output_dir={tmp_path / 'inprocess'}"))
+    s_ray = run(small_config(*common, "engine=ray", f"output_dir={tmp_path / 'ray'}"))
+    assert s_ray["engine"] == "ray" and s_ray["population"] == s_in["population"] == 40 + 8
+    assert s_in["cohort_sampled"] == s_ray["cohort_sampled"]
+    e_in, e_ray = s_in["empirical_epsilon"], s_ray["empirical_epsilon"]
+    assert e_ray["included"] == e_in["included"] and e_ray["epsilon_claimed"] == e_in["epsilon_claimed"]
+    for a, b in ((e_in, e_ray), (e_in["every_round"], e_ray["every_round"])):
+        assert b["andrew"]["inserted"] == a["andrew"]["inserted"] and b["steinke"] == a["steinke"]
+        assert b["andrew"]["epsilon"] == pytest.approx(a["andrew"]["epsilon"], abs=0.05)

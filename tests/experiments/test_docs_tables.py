@@ -28,6 +28,7 @@ DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federate
                           *(f"canary_{run}:canaries" for run in ("half_correct", "half_noise_halved",
                                                                  "half_double_clip_half_noise", "norm10_correct",
                                                                  "norm10_unclipped", "norm10_clip_after_sum"))},
+        "docs/DEPLOYMENT.md": {"canary_deployment:canaries", "canary_deployment_inprocess:canaries"},
         "docs/COMPARISON.md": {"compare_adambc_regime", "compare_adambc_regime:grid", "compare_adambc_low_noise",
                                "compare_server_optimizers", "compare_server_optimizers:grid"}}
 
