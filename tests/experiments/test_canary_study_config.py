@@ -23,4 +23,4 @@ def test_the_canary_config_is_the_grids_selected_dp_fedavg_run_plus_canaries():
     ours.pop("output_dir"), grids.pop("output_dir")
     assert ours == grids
     # the final model's score only (the every-round score is 2,000 dot products of 5,000,500 a round)
-    assert canaries == {"count": 1000, "unused": 1000, "seed": 0, "confidence": 0.95, "every_round": False}
+    assert canaries == {"count": 1000, "unused": 1000, "seed": 0, "confidence": 0.95, "every_round": False, "norm": 2.0}
