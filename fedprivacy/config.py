@@ -741,8 +741,9 @@ class RunConfig(_Section):
     number. Other engines and devices: 1 (``device: cpu`` only, as CUDA does not survive a fork)."""
     cohort_batching: Literal["auto", "on", "off"] = "auto"
     """In-process engine: train a round's clients together, as one batched computation over their
-    stacked parameters (:mod:`fedprivacy.engines.cohorts`); the updates equal one-at-a-time local SGD
-    within float rounding. ``auto``: where supported and measured faster (small dense models; the
+    stacked parameters (:mod:`fedprivacy.engines.cohorts`); each step equals one-at-a-time local SGD within float
+    rounding (at a client lr where local SGD is unstable the steps amplify that rounding, so whole updates agree only
+    statistically: docs/engines.md). ``auto``: where supported and measured faster (small dense models; the
     rule is in :func:`fedprivacy.engines.cohorts.cohort_trainer`); ``on``: wherever supported (an
     error names what is not); ``off``: one client at a time."""
     output_dir: Path = Path("runs/quickstart")
