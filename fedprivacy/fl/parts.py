@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from fedprivacy.fl.aggregation import Aggregation, aggregation_of
 from fedprivacy.fl.secure_aggregation import SecureAggregation
@@ -228,6 +228,35 @@ def merged(parts: Iterable[Any], contribution: Callable[[Any], Mapping[str, Any]
             raise ValueError(f"{type(part).__name__} gives {taken[0]!r}, which another part gives too")
         out.update(given)
     return out
+
+
+class StrategyKeywords(TypedDict, total=False):
+    """The keyword form of :class:`~fedprivacy.fl.strategy.DPFedAvg`, typed for its callers (each keyword is read by
+    :func:`parts_from_keywords`, which gives the defaults; the first four are required there)."""
+
+    noise_multiplier: float
+    clip_norm: float
+    expected_cohort: int
+    population: int
+    sampling: Schedule | ScheduleFactory
+    placement: Placement
+    optimizer: OptimizerName | ServerOptimizerFactory
+    lr: float
+    optimizer_settings: Mapping[str, Any] | None
+    adaptive_clipping: AdaptiveClipping | None
+    disk_kappa: float | None
+    disk_gamma: float
+    record_level: bool
+    delta: float | None
+    target_epsilon: float | None
+    budget_accountant: AccountantKind
+    accountants: tuple[AccountantKind, ...]
+    seed: int | None
+    noise_cohort: int | None
+    noise_population: int | None
+    noise_stream: NoiseStreamFactory
+    groups: int
+    secure_aggregation: SecureAggregation | None
 
 
 def parts_from_keywords(*, noise_multiplier: float, clip_norm: float, expected_cohort: int, population: int,

@@ -80,7 +80,7 @@ import logging
 from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, get_args
+from typing import Any, Protocol, Unpack, get_args
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -89,7 +89,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.aggregation import Abort, Aggregation, Diagnostics, Released
-from fedprivacy.fl.parts import Accounting, Bounding, Noise, Participation, ServerStepPart, strategy_parts
+from fedprivacy.fl.parts import Accounting, Bounding, Noise, Participation, ServerStepPart, StrategyKeywords, strategy_parts
 from fedprivacy.privacy.combination import Combination, refuse_incompatible
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
@@ -186,7 +186,7 @@ class DPFedAvg(Strategy):
                  device: str | torch.device = "cpu", node_content: NodeContent | None = None,
                  node_timeout: float = NODE_DISCOVERY_TIMEOUT_S, state_dir: str | Path | None = None,
                  on_round: RoundCallback | None = None, hooks: Sequence[RunHook] = (), checkpoint_every: int = 1,
-                 accountants_every: int = 1, **keywords: Any) -> None:
+                 accountants_every: int = 1, **keywords: Unpack[StrategyKeywords]) -> None:
         self.parts = parts = strategy_parts(participation, bounding, noise, server_step, accounting, aggregation,
                                             keywords)
         self.aggregation = parts.aggregation

@@ -183,3 +183,15 @@ def test_the_keyword_form_maps_each_keyword_onto_its_part():
     assert isinstance(parts.aggregation, PlainAggregation)
     assert isinstance(parts_from_keywords(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=5, population=5,
                                           secure_aggregation=SETTINGS).aggregation, SecureAggregationPart)
+
+
+def test_the_typed_keyword_form_names_exactly_the_keywords_the_mapping_reads():
+    """``DPFedAvg(**keywords)`` is typed by :class:`StrategyKeywords` (so a type checker catches a misspelt or
+    mistyped keyword); it must list what :func:`parts_from_keywords` reads, no more and no less."""
+    import inspect
+    import typing
+
+    from fedprivacy.fl.parts import StrategyKeywords, parts_from_keywords
+
+    read = set(inspect.signature(parts_from_keywords).parameters) - {"aggregation"}
+    assert set(typing.get_type_hints(StrategyKeywords)) == read
