@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from fedprivacy.engines.inprocess import run_inprocess
-from fedprivacy.fl.strategy import DPFedAvg
+from fedprivacy import Accounting, Bounding, DPFedAvg, Noise, Participation, ServerStepPart
 
 USERS = 50
 client_app = ClientApp()
@@ -37,8 +37,10 @@ server_app = ServerApp()
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    strategy = DPFedAvg(noise_multiplier=1.0, clip_norm=1.0, expected_cohort=10, population=USERS,
-                        optimizer="adam", lr=0.05, optimizer_settings={"tau": 1e-3}, delta=1e-3)
+    strategy = DPFedAvg(participation=Participation(expected_cohort=10, population=USERS),
+                        bounding=Bounding(clip_norm=1.0), noise=Noise(noise_multiplier=1.0),
+                        server_step=ServerStepPart("adam", lr=0.05, optimizer_settings={"tau": 1e-3}),
+                        accounting=Accounting(delta=1e-3))
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(nn.Linear(20, 2).state_dict()), num_rounds=20,
                             train_config=ConfigRecord())
     print(f"accuracy {accuracy(result.arrays):.3f} (majority ~0.5), epsilon {strategy.epsilons()['rdp']:.2f} at "
