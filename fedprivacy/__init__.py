@@ -25,6 +25,7 @@ Layers (imports point downward only; ``tests/test_layers.py``): ``cli`` -> ``exp
 from typing import TYPE_CHECKING
 
 from fedprivacy.lazy_exports import lazy_exports
+from fedprivacy.fl import EXPORTS as FL_EXPORTS
 
 if TYPE_CHECKING:
     from fedprivacy.engines.inprocess import run_inprocess
@@ -55,33 +56,18 @@ __all__ = ["AdaDPSOptimizer", "CorrelatedMechanism", "DPFedAvg", "FlowerDatasets
            "RunHook", "Participation", "Bounding", "Noise", "ServerStepPart", "Accounting", "ParticipationSchedule", "ServerOptimizer"]
 
 __getattr__ = lazy_exports(__name__, {
+    **FL_EXPORTS,
     "CorrelatedMechanism": "fedprivacy.privacy.correlated",
     "AdaDPSOptimizer": "fedprivacy.optim.adadps",
-    "DPFedAvg": "fedprivacy.fl.strategy",
     "FlowerDatasetsTask": "fedprivacy.flower_datasets",
     "GaussianMechanism": "fedprivacy.privacy.mechanism",
     "Task": "fedprivacy.task",
-    "client_noise_mod": "fedprivacy.fl.mods",
     "event_from_metrics": "fedprivacy.privacy.client_ledgers",
-    "make_record_dp": "fedprivacy.fl.record_dp",
-    "answer_identity_query": "fedprivacy.fl.mods",
-    "SecureAggregation": "fedprivacy.fl.secure_aggregation",
-    "secure_aggregation_mod": "fedprivacy.fl.secure_aggregation",
     "run_inprocess": "fedprivacy.engines.inprocess",
-    "topk_uplink_mod": "fedprivacy.fl.mods",
     "AccountedEvent": "fedprivacy.privacy.events",
     "GaussianNoise": "fedprivacy.privacy.noise",
     "NoiseStream": "fedprivacy.privacy.noise",
     "register_event": "fedprivacy.privacy.events",
-    "Aggregation": "fedprivacy.fl.aggregation",
-    "PlainAggregation": "fedprivacy.fl.aggregation",
-    "SecureAggregationPart": "fedprivacy.fl.aggregation",
-    "RunHook": "fedprivacy.fl.hooks",
-    "Participation": "fedprivacy.fl.parts",
-    "Bounding": "fedprivacy.fl.parts",
-    "Noise": "fedprivacy.fl.parts",
-    "ServerStepPart": "fedprivacy.fl.parts",
-    "Accounting": "fedprivacy.fl.parts",
     "ParticipationSchedule": "fedprivacy.privacy.sampling",
     "ServerOptimizer": "fedprivacy.optim.factory",
 })

@@ -24,7 +24,8 @@ __all__ = ["DPFedAvg", "answer_identity_query", "client_noise_mod", "make_record
            "Aggregation", "PlainAggregation", "SecureAggregationPart",
            "RunHook", "Participation", "Bounding", "Noise", "ServerStepPart", "Accounting"]
 
-__getattr__ = lazy_exports(__name__, {
+EXPORTS = {
+    # name -> the module defining it; fedprivacy's top level exports these too
     "DPFedAvg": "fedprivacy.fl.strategy",
     "answer_identity_query": "fedprivacy.fl.mods",
     "client_noise_mod": "fedprivacy.fl.mods",
@@ -41,4 +42,5 @@ __getattr__ = lazy_exports(__name__, {
     "Noise": "fedprivacy.fl.parts",
     "ServerStepPart": "fedprivacy.fl.parts",
     "Accounting": "fedprivacy.fl.parts",
-})
+}
+__getattr__ = lazy_exports(__name__, EXPORTS)

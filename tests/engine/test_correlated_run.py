@@ -20,9 +20,9 @@ from fedprivacy.privacy.accounting import CoveredRelease, MatrixMechanismRun, ep
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.run import run
-from fedprivacy.stackoverflow_tasks import load_task
 
-from test_one_round import _hand_written  # this folder is on sys.path (pytest's rootdir mode)
+from test_one_round import run_and_hand_written  # this folder is on sys.path (pytest's rootdir mode)
+
 from test_strategy import _flat, _plain_client_app, _start
 
 BLT = ("privacy.sampling=min_separated", "privacy.groups=2", "privacy.mechanism.kind=blt",
@@ -49,14 +49,9 @@ def test_fedprivacy_run_with_blt_accounts_one_gaussian_and_releases_its_per_roun
 
 def test_a_hand_written_server_app_with_blt_is_bit_identical_to_fedprivacy_run(small_config, tmp_path):
     cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", *BLT)
-    run(cfg)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    p = cfg.privacy
-    strategy = _hand_written(cfg, DPFedAvg(
-        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-        population=load_task(cfg.data).population, seed=cfg.seed, optimizer_settings={"momentum": 0.9},
-        sampling="min_separated", groups=2, noise_stream=CorrelatedMechanism(kind="blt", horizon=3, groups=2,
-                                                                             buffers=2)))
+    strategy, saved = run_and_hand_written(
+        cfg, optimizer_settings={"momentum": 0.9}, sampling="min_separated", groups=2,
+        noise_stream=CorrelatedMechanism(kind="blt", horizon=3, groups=2, buffers=2))
     assert torch.equal(strategy.params, saved["params"])
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
 

@@ -17,11 +17,10 @@ from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.optim.broadcast import StepBroadcast
 from fedprivacy.run import run
-from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.updates import SparseUpdate
 
-from test_one_round import _hand_written
+from test_one_round import run_and_hand_written
 from test_strategy import _flat, _model, _plain_client_app, _start  # this folder is on sys.path (rootdir mode)
 
 
@@ -235,13 +234,7 @@ def test_fedprivacy_run_takes_the_part_from_the_config_bit_identically_to_a_hand
     """``privacy.aggregation: module:factory`` through ``fedprivacy run`` releases what ``DPFedAvg(aggregation=...)``
     releases in a hand-written ServerApp against the same seeded clients, and saves the part's settings."""
     cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", f"privacy.aggregation={AGGREGATION}")
-    run(cfg)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    p = cfg.privacy
-    strategy = _hand_written(cfg, DPFedAvg(
-        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants),
-        optimizer_settings={"momentum": 0.9}, aggregation=CoordinateClipped(0.01)))
+    strategy, saved = run_and_hand_written(cfg, optimizer_settings={"momentum": 0.9}, aggregation=CoordinateClipped(0.01))
     assert torch.equal(strategy.params, saved["params"]) and strategy.aggregation.rounds == [1, 2, 3]
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
     assert saved["settings"]["coordinate_bound"] == 0.01 and strategy.settings.items() <= saved["settings"].items()

@@ -24,7 +24,8 @@ from fedprivacy.privacy.release_log import ReleaseLog
 from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task
 
-from test_one_round import _hand_written  # this folder is on sys.path (pytest's rootdir mode)
+from test_one_round import run_and_hand_written  # this folder is on sys.path (pytest's rootdir mode)
+
 from test_strategy import _flat, _plain_client_app, _start
 
 
@@ -111,13 +112,7 @@ def test_fedprivacy_run_takes_the_stream_from_the_config_and_reports_its_epsilon
 
 def test_a_hand_written_server_app_with_the_stream_is_bit_identical_to_fedprivacy_run(small_config, tmp_path):
     cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", f"privacy.noise_stream={SPEC}")
-    run(cfg)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    p = cfg.privacy
-    strategy = _hand_written(cfg, DPFedAvg(
-        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-        population=load_task(cfg.data).population, seed=cfg.seed, optimizer_settings={"momentum": 0.9},
-        noise_stream=DoublingNoise))
+    strategy, saved = run_and_hand_written(cfg, optimizer_settings={"momentum": 0.9}, noise_stream=DoublingNoise)
     assert torch.equal(strategy.params, saved["params"])
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
 

@@ -29,7 +29,7 @@ from fedprivacy.run import run
 from fedprivacy.stackoverflow_tasks import load_task
 
 from test_custom_noise_stream import reference_epsilons  # this folder is on sys.path (pytest's rootdir mode)
-from test_one_round import _hand_written
+from test_one_round import run_and_hand_written
 from test_strategy import _flat, _plain_client_app, _start
 
 
@@ -179,13 +179,7 @@ def test_fedprivacy_run_takes_both_parts_from_the_config_and_accounts_the_schedu
 def test_a_hand_written_server_app_with_both_parts_is_bit_identical_to_fedprivacy_run(small_config, tmp_path):
     cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", f"privacy.sampling={SCHEDULE}",
                        f"server.optimizer={STEP}", "server.beta1=0.5", "server.lr=0.01")
-    run(cfg)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    p = cfg.privacy
-    strategy = _hand_written(cfg, DPFedAvg(
-        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants),
-        sampling=DoublingRatePoisson, optimizer=SignumDecay, lr=0.01, optimizer_settings={"beta1": 0.5}))
+    strategy, saved = run_and_hand_written(cfg, sampling=DoublingRatePoisson, optimizer=SignumDecay, lr=0.01, optimizer_settings={"beta1": 0.5})
     assert torch.equal(strategy.params, saved["params"])
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
     assert strategy.optimizer.phis == [strategy.mechanism.phi()] * 3  # Phi_t as the release reports it

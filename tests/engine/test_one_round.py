@@ -46,18 +46,27 @@ def _hand_written(cfg, strategy: DPFedAvg) -> DPFedAvg:
     return strategy
 
 
+def run_and_hand_written(cfg, **keywords) -> tuple[DPFedAvg, dict]:
+    """``fedprivacy run`` of ``cfg``, then the same strategy in keyword form (the config's noise multiplier, clip,
+    cohort, population, seed and accountants, plus ``keywords``) in :func:`_hand_written`: that strategy and the
+    run's checkpoint, for a bit-identity check."""
+    run(cfg)
+    saved = load_checkpoint(cfg.output_dir / "checkpoint.pt")
+    p = cfg.privacy
+    return _hand_written(cfg, DPFedAvg(
+        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
+        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants),
+        **keywords)), saved
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fedprivacy_run_and_a_hand_written_server_app_are_bit_identical(small_config, tmp_path, case):
     overrides, settings = CASES[case]
     cfg = small_config("rounds=3", f"output_dir={tmp_path / 'run'}", *overrides)
-    run(cfg)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     p = cfg.privacy
     if "adaptive_clipping" in settings:
         settings["adaptive_clipping"] = AdaptiveClipping(0.5, 0.2, p.count_stddev)
-    strategy = _hand_written(cfg, DPFedAvg(
-        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants), **settings))
+    strategy, saved = run_and_hand_written(cfg, **settings)
     assert torch.equal(strategy.params, saved["params"])
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"]
     assert strategy.step.state_dict().keys() == {"optimizer", "disk"}

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from fedprivacy.checkpoints import ResumeError, load_checkpoint
+from fedprivacy.checkpoints import ResumeError
 from fedprivacy.fl.aggregation import PlainAggregation, SecureAggregationPart
 from fedprivacy.fl.mods import client_noise_mod
 from fedprivacy.fl.parts import (Accounting, Bounding, Noise, Participation, ServerStepPart, StrategyParts, merged,
@@ -17,11 +17,9 @@ from fedprivacy.fl.strategy import DPFedAvg
 from fedprivacy.privacy.correlated import CorrelatedMechanism
 from fedprivacy.fl.secure_aggregation import SecureAggregation
 from fedprivacy.privacy.mechanism import AdaptiveClipping
-from fedprivacy.run import run
-from fedprivacy.stackoverflow_tasks import load_task
 
 from test_secure_aggregation import SETTINGS, C, N  # this folder is on sys.path (pytest's rootdir mode)
-from test_one_round import _hand_written
+from test_one_round import run_and_hand_written
 from test_secure_run import SECAGG as SECURE_RUN
 from test_strategy import _flat, _plain_client_app, _reporting, _start
 
@@ -94,14 +92,7 @@ def test_a_secure_run_built_from_the_configs_parts_is_bit_identical_to_the_keywo
     """``fedprivacy run`` builds the parts from the config (fedprivacy.fl.config_parts); the keyword form in a
     hand-written ServerApp against the same seeded clients releases the same model and ledger."""
     cfg = small_config("rounds=2", f"output_dir={tmp_path / 'run'}", *SECURE_RUN)
-    run(cfg)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    p = cfg.privacy
-    strategy = _hand_written(cfg, DPFedAvg(
-        noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm, expected_cohort=p.expected_cohort,
-        population=load_task(cfg.data).population, seed=cfg.seed, accountants=tuple(p.accountants),
-        placement="distributed", optimizer_settings={"momentum": 0.9},
-        secure_aggregation=SecureAggregation(threshold=3, neighbours=5)))
+    strategy, saved = run_and_hand_written(cfg, placement="distributed", optimizer_settings={"momentum": 0.9}, secure_aggregation=SecureAggregation(threshold=3, neighbours=5))
     assert torch.equal(strategy.params, saved["params"])
     assert strategy.mechanism.ledger.state_dict() == saved["ledger"] and strategy.mechanism.ledger.rounds == 2
     assert strategy.settings.items() <= saved["settings"].items()
