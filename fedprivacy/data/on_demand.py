@@ -92,12 +92,13 @@ class OnDemandPopulation:
         """The user id of the ``client``-th train user (ids ``u % 10 == 0`` skipped)."""
         return client + client // 9 + 1
 
-    def draws(self, user: int) -> list[tuple[str, _Draws]]:
-        """The user's draws per split, exactly those ``generate`` renders."""
+    def draws(self, user: int, *, first_only: bool = False) -> list[tuple[str, _Draws]]:
+        """The user's draws per split, exactly those ``generate`` renders (``first_only``: its ``train`` or
+        ``heldout`` block alone, the ``test`` block not drawn)."""
         if not 0 <= user < self.num_users:
             raise IndexError(f"user {user} outside 0..{self.num_users - 1}")
         return _user_draws(self.seed, user, _world(self.seed),
-                           _sizes(self.min_examples, self.mean_examples, self.max_examples))
+                           _sizes(self.min_examples, self.mean_examples, self.max_examples), first_only=first_only)
 
     def split_users(self, split: str) -> Iterator[int]:
         """Candidate user ids of a split in id order (``test``: the train users, of which some have no test block)."""
@@ -136,9 +137,8 @@ def count_files(population: OnDemandPopulation, root: Path) -> tuple[Path, Path]
     word_counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
     tag_counts = np.zeros(NUM_TAGS, dtype=np.int64)
     for client in range(counted):
-        for split, draws in p.draws(p.train_user(client)):
-            if split == "train":
-                _add_counts(word_counts, tag_counts, draws.tokens, draws.example_tags())
+        [(_, draws)] = p.draws(p.train_user(client), first_only=True)   # the train block
+        _add_counts(word_counts, tag_counts, draws.tokens, draws.example_tags())
     partial = {path: path.with_name(f"{path.name}.{os.getpid()}.partial") for path in (words, tags)}
     _write_counts(_world(p.seed), word_counts, tag_counts, partial[words], partial[tags])
     for path, temporary in partial.items():
@@ -192,7 +192,7 @@ class TagRows:
         ids = np.concatenate([self.word_column[draws.tokens[token_idx]], self.word_column[draws.title[title_idx]]])
         rows = np.concatenate([token_rows, title_rows])
         in_vocab = ids >= 0
-        keys, counts = np.unique(rows[in_vocab] * self.vocab_size + ids[in_vocab], return_counts=True)
+        keys, counts = _counted(rows[in_vocab] * self.vocab_size + ids[in_vocab])
         key_rows = keys // self.vocab_size
         lengths = (s_len + t_len).astype(np.float64)
 
@@ -215,6 +215,19 @@ def _columns(names: np.ndarray, vocabulary: Sequence[str], path: Path) -> np.nda
             raise ValueError(f"{path}: {name!r} is not a word or tag of the synthetic generator")
         column[rank[name]] = j
     return column
+
+
+def _counted(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_counts=True)`` for keys made of ascending runs (a block's rows, then its title rows).
+
+    A stable sort (timsort) merges the runs instead of sorting from scratch: about five times faster here.
+    """
+    keys = np.sort(keys, kind="stable")
+    first = np.empty(len(keys), dtype=bool)
+    first[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return keys[starts], np.diff(starts, append=len(keys))
 
 
 def _expand(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -245,7 +258,7 @@ class OnDemandTags:
         if not 0 <= client < self.num_clients:
             raise IndexError(f"client {client} outside 0..{self.num_clients - 1}")
         user = self.population.train_user(client)
-        [(_, draws), *_] = self.population.draws(user)
+        [(_, draws)] = self.population.draws(user, first_only=True)
         data = assemble([(self.population.client_id(user), self.rows.rows(draws))], self.vocab_size, self.num_tags)
         cap = self.max_examples_per_client
         if cap is None or data.offsets[-1] <= cap:

@@ -335,27 +335,55 @@ def _world(seed: int) -> _World:
                   api_cdf=_zipf_cdf(_API_WORDS, 1.0, 0.9))
 
 
-def _draw_words(rng: np.random.Generator, world: _World, background: _GuidedCDF,
-                post: np.ndarray, shares: tuple[float, float], post_tags: np.ndarray,
-                tag_offsets: np.ndarray) -> np.ndarray:
-    """Word ids for words owned by the given posts, mixing background and topical words.
+def _draw_words(rng: np.random.Generator, world: _World, token_post: np.ndarray, title_post: np.ndarray,
+                post_tags: np.ndarray, tag_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Word ids of a block's sentences (word ``i`` owned by post ``token_post[i]``) and titles (``title_post``),
+    mixing background and topical words.
 
-    A word is an area word with probability ``shares[0]`` and an API name with
-    probability ``shares[1]``; a topical word belongs to one of its post's tags,
-    picked uniformly.
+    A word is an area word with probability ``shares[0]`` and an API name with probability ``shares[1]``
+    (:data:`_TOPIC_SHARE`: ``tokens`` for sentences, ``title`` for titles); a topical word belongs to one of its
+    post's tags, picked uniformly. The uniforms come in this order, which defines the data: for the sentences, then
+    for the titles, ``m`` background uniforms and ``m`` kind uniforms (``m`` words), then for the area words, then
+    for the API names, ``k`` tag picks and ``k`` uniforms over the kind's CDF. ``Generator.random`` fills arrays
+    from one stream of doubles, so a call for ``a + b`` uniforms gives those of calls for ``a`` and ``b``: the
+    draws are taken in three calls (the sizes of the later ones depend on the kind uniforms) and sliced.
     """
-    ids = background(rng.random(len(post)))
-    u = rng.random(len(post))
-    for kind, (low, high) in (("area", (0.0, shares[0])),
-                              ("api", (shares[0], shares[0] + shares[1]))):
-        topical = np.flatnonzero((u >= low) & (u < high))
-        owner = post[topical]
+    m_tok, m_title = len(token_post), len(title_post)
+    first = rng.random(2 * m_tok)
+    tok_kinds = _kind_positions(first[m_tok:], _TOPIC_SHARE["tokens"])
+    tok_topical = sum(len(p) for p in tok_kinds)
+    second = rng.random(2 * tok_topical + 2 * m_title)
+    title_uniforms = second[2 * tok_topical:]
+    title_kinds = _kind_positions(title_uniforms[m_title:], _TOPIC_SHARE["title"])
+    third = rng.random(2 * sum(len(p) for p in title_kinds))
+
+    tokens = world.word_cdf(first[:m_tok])
+    title = world.title_cdf(title_uniforms[:m_title])
+    for kind, (table, topic_cdf) in enumerate(((world.area_words, world.area_cdf),
+                                                (world.api_words, world.api_cdf))):
+        picks, cdf_uniforms, owners = [], [], []
+        for uniforms, kinds, post in ((second, tok_kinds, token_post), (third, title_kinds, title_post)):
+            offset = 2 * sum(len(p) for p in kinds[:kind])
+            k = len(kinds[kind])
+            picks.append(uniforms[offset:offset + k])
+            cdf_uniforms.append(uniforms[offset + k:offset + 2 * k])
+            owners.append(post[kinds[kind]])
+        owner = np.concatenate(owners)
         n_tags = tag_offsets[owner + 1] - tag_offsets[owner]
-        tag = post_tags[tag_offsets[owner] + (rng.random(len(owner)) * n_tags).astype(np.int64)]
-        table, topic_cdf = ((world.area_words, world.area_cdf) if kind == "area"
-                            else (world.api_words, world.api_cdf))
-        ids[topical] = table[tag, _sample(topic_cdf, rng.random(len(owner)))]
-    return ids
+        tag = post_tags[tag_offsets[owner] + (np.concatenate(picks) * n_tags).astype(np.int64)]
+        ids = table[tag, _sample(topic_cdf, np.concatenate(cdf_uniforms))]
+        n_tok = len(tok_kinds[kind])
+        tokens[tok_kinds[kind]] = ids[:n_tok]
+        title[title_kinds[kind]] = ids[n_tok:]
+    return tokens, title
+
+
+def _kind_positions(u: np.ndarray, shares: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the area words (``u < shares[0]``) and of the API names (``shares[0] <= u < shares[0] +
+    shares[1]``) among words with kind uniforms ``u``."""
+    area = np.flatnonzero(u < shares[0])
+    api = np.flatnonzero((u >= shares[0]) & (u < shares[0] + shares[1]))
+    return area, api
 
 
 def _varint(value: int) -> bytes:
@@ -519,10 +547,8 @@ def _draw_block(rng: np.random.Generator, world: _World, favourites: np.ndarray,
     sentence_len = np.clip(np.rint(rng.lognormal(np.log(_TOKENS_MEDIAN), _TOKENS_SIGMA, n)),
                            1, _TOKENS_CAP).astype(np.int64)
     title_len = rng.integers(5, 13, size=num_posts)
-    tokens = _draw_words(rng, world, world.word_cdf, np.repeat(post_of, sentence_len),
-                         _TOPIC_SHARE["tokens"], tag_ids, tag_offsets)
-    title = _draw_words(rng, world, world.title_cdf, np.repeat(np.arange(num_posts), title_len),
-                        _TOPIC_SHARE["title"], tag_ids, tag_offsets)
+    tokens, title = _draw_words(rng, world, np.repeat(post_of, sentence_len),
+                                np.repeat(np.arange(num_posts), title_len), tag_ids, tag_offsets)
     return _Draws(post_of, times, answer, score, tag_ids, tag_offsets, sentence_len, title_len,
                   tokens, title)
 
@@ -547,8 +573,13 @@ def _render(world: _World, draws: _Draws) -> _Block:
     return _Block(post_columns, sentences, draws.post_of, draws.tokens, draws.example_tags())
 
 
-def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tuple[str, _Draws]]:
-    """The draws of all examples of one user, grouped by split (a pure function of its arguments)."""
+def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes, *,
+                first_only: bool = False) -> list[tuple[str, _Draws]]:
+    """The draws of all examples of one user, grouped by split (a pure function of its arguments).
+
+    With ``first_only``, only the first split's (``heldout`` or ``train``): its draws come first in the user's
+    stream, so they are the same, and the ``test`` block is not drawn.
+    """
     rng = np.random.default_rng([seed, 1, user])
     n_favourites = 1 + min(int(rng.poisson(1.2)), 4)
     favourites = np.unique(_sample(world.tag_cdf, rng.random(n_favourites)))
@@ -561,7 +592,7 @@ def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tupl
         return [("heldout", _draw_block(rng, world, favourites, n + n_test, (start, _DATES["end"]),
                                         p_answer))]
     splits = [("train", _draw_block(rng, world, favourites, n, (start, _DATES["test"]), p_answer))]
-    if n_test:
+    if n_test and not first_only:
         splits.append(("test", _draw_block(rng, world, favourites, n_test,
                                            (_DATES["test"], _DATES["end"]), p_answer)))
     return splits
