@@ -167,9 +167,11 @@ class _GuidedCDF:
     ``guide[k]`` is the number of CDF entries ``<= k / M`` (``M = 2^18`` buckets). For a uniform
     ``u``, ``k = floor(u M)`` is exact (``M`` is a power of two), so ``k / M <= u`` and the answer
     (the number of entries ``<= u``) is at least ``guide[k]``; it is reached by stepping up while
-    ``cdf[idx] <= u``, a few vectorized passes since few entries share a bucket. Same indices as
-    ``np.searchsorted(cdf, u, side="right")``, about six times faster on the 50,000-word CDF
-    (the binary search's cache misses and mispredicted branches dominated).
+    ``cdf[idx] <= u``, a few vectorized passes since few entries share a bucket; only the first pass
+    reads every uniform, the later ones only those that stepped (about one in twelve on the word CDF,
+    then one in a hundred). Same indices as ``np.searchsorted(cdf, u, side="right")``, about six
+    times faster on the 50,000-word CDF (the binary search's cache misses and mispredicted branches
+    dominated).
     """
 
     cdf: np.ndarray
@@ -183,8 +185,10 @@ class _GuidedCDF:
 
     def __call__(self, uniforms: np.ndarray) -> np.ndarray:
         idx = self.guide[(uniforms * len(self.guide)).astype(np.int64)].astype(np.int64)
-        while (step := self.cdf[idx] <= uniforms).any():
-            idx += step
+        moving = np.flatnonzero(self.cdf[idx] <= uniforms)
+        while len(moving):
+            idx[moving] += 1
+            moving = moving[self.cdf[idx[moving]] <= uniforms[moving]]
         return idx
 
 
