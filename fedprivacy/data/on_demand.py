@@ -168,35 +168,38 @@ class TagRows:
 
     def rows(self, draws: _Draws) -> _ClientRows:
         """The CSR pieces of one block, identical to preprocessing its rendered examples."""
-        post_of = draws.post_of
+        post_of, num_posts = draws.post_of, draws.num_posts
         # Tags: each post's in-vocabulary columns, sorted; label = the smallest (0 if none).
         columns = self.tag_column[draws.tag_ids]
-        owner = np.repeat(np.arange(draws.num_posts), np.diff(draws.tag_offsets))
+        owner = np.repeat(np.arange(num_posts), np.diff(draws.tag_offsets))
         known = columns >= 0
         order = np.lexsort((columns[known], owner[known]))
         post_columns, post_owner = columns[known][order], owner[known][order]
-        post_nnz = np.bincount(post_owner, minlength=draws.num_posts)
-        post_start = np.r_[0, np.cumsum(post_nnz)[:-1]]
-        post_label = np.zeros(draws.num_posts, dtype=np.int64)
-        post_label[post_nnz > 0] = post_columns[post_start[post_nnz > 0]]
-        kept = np.flatnonzero(post_nnz[post_of] > 0) if self.no_tag == "drop" else np.arange(len(post_of))
+        post_nnz = np.bincount(post_owner, minlength=num_posts)
+        post_start = np.cumsum(post_nnz) - post_nnz
+        tagged = post_nnz > 0
+        post_label = np.zeros(num_posts, dtype=np.int64)
+        post_label[tagged] = post_columns[post_start[tagged]]
+        kept = np.flatnonzero(tagged[post_of]) if self.no_tag == "drop" else np.arange(len(post_of))
         posts = post_of[kept]
         n = len(kept)
 
-        # Words: the kept sentences' tokens, then their posts' titles.
-        sentence_start = np.r_[0, np.cumsum(draws.sentence_len)[:-1]]
-        title_start = np.r_[0, np.cumsum(draws.title_len)[:-1]]
-        s_len, t_len = draws.sentence_len[kept], draws.title_len[posts]
-        token_rows, token_idx = _expand(sentence_start[kept], s_len)
-        title_rows, title_idx = _expand(title_start[posts], t_len)
-        ids = np.concatenate([self.word_column[draws.tokens[token_idx]], self.word_column[draws.title[title_idx]]])
-        rows = np.concatenate([token_rows, title_rows])
-        in_vocab = ids >= 0
-        keys, counts = _counted(rows[in_vocab] * self.vocab_size + ids[in_vocab])
+        # Words: every sentence's tokens, then its post's title, by sentence; the kept sentences renumbered 0..n-1.
+        title_len = draws.title_len[post_of]
+        title_rows, title_idx = _expand((np.cumsum(draws.title_len) - draws.title_len)[post_of], title_len)
+        ids = np.concatenate([self.word_column[draws.tokens], self.word_column[draws.title][title_idx]])
+        rows = np.concatenate([np.repeat(np.arange(len(post_of)), draws.sentence_len), title_rows])
+        counted = ids >= 0
+        if n < len(post_of):
+            row_of = np.full(len(post_of), -1)
+            row_of[kept] = np.arange(n)
+            rows = row_of[rows]
+            counted &= rows >= 0
+        keys, counts = _counted(rows[counted] * self.vocab_size + ids[counted])
         key_rows = keys // self.vocab_size
-        lengths = (s_len + t_len).astype(np.float64)
+        lengths = (draws.sentence_len + title_len)[kept].astype(np.float64)
 
-        tag_rows, tag_idx = _expand(post_start[posts], post_nnz[posts])
+        _, tag_idx = _expand(post_start[posts], post_nnz[posts])
         return _ClientRows(row_nnz=np.bincount(key_rows, minlength=n),
                            columns=(keys % self.vocab_size).astype(np.int32),
                            values=(counts / lengths[key_rows]).astype(np.float32),

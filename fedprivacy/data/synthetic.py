@@ -339,47 +339,47 @@ def _world(seed: int) -> _World:
                   api_cdf=_zipf_cdf(_API_WORDS, 1.0, 0.9))
 
 
-def _draw_words(rng: np.random.Generator, world: _World, token_post: np.ndarray, title_post: np.ndarray,
+def _draw_words(rng: np.random.Generator, world: _World, post: np.ndarray, num_tokens: int,
                 post_tags: np.ndarray, tag_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Word ids of a block's sentences (word ``i`` owned by post ``token_post[i]``) and titles (``title_post``),
-    mixing background and topical words.
+    """Word ids of a block's sentences and of its titles, mixing background and topical words.
 
-    A word is an area word with probability ``shares[0]`` and an API name with probability ``shares[1]``
+    Word ``i`` belongs to post ``post[i]``; the first ``num_tokens`` words are the sentences', the others the
+    titles'. A word is an area word with probability ``shares[0]`` and an API name with probability ``shares[1]``
     (:data:`_TOPIC_SHARE`: ``tokens`` for sentences, ``title`` for titles); a topical word belongs to one of its
     post's tags, picked uniformly. The uniforms come in this order, which defines the data: for the sentences, then
     for the titles, ``m`` background uniforms and ``m`` kind uniforms (``m`` words), then for the area words, then
     for the API names, ``k`` tag picks and ``k`` uniforms over the kind's CDF. ``Generator.random`` fills arrays
     from one stream of doubles, so a call for ``a + b`` uniforms gives those of calls for ``a`` and ``b``: the
-    draws are taken in three calls (the sizes of the later ones depend on the kind uniforms) and sliced.
+    draws are taken in three calls (the sizes of the later ones depend on the kind uniforms) and sliced, and the
+    topical words of both parts are drawn together.
     """
-    m_tok, m_title = len(token_post), len(title_post)
+    m_tok, m_title = num_tokens, len(post) - num_tokens
     first = rng.random(2 * m_tok)
-    tok_kinds = _kind_positions(first[m_tok:], _TOPIC_SHARE["tokens"])
-    tok_topical = sum(len(p) for p in tok_kinds)
+    tok_area, tok_api = _kind_positions(first[m_tok:], _TOPIC_SHARE["tokens"])
+    tok_topical = len(tok_area) + len(tok_api)
     second = rng.random(2 * tok_topical + 2 * m_title)
     title_uniforms = second[2 * tok_topical:]
-    title_kinds = _kind_positions(title_uniforms[m_title:], _TOPIC_SHARE["title"])
-    third = rng.random(2 * sum(len(p) for p in title_kinds))
+    title_area, title_api = _kind_positions(title_uniforms[m_title:], _TOPIC_SHARE["title"])
+    third = rng.random(2 * (len(title_area) + len(title_api)))
 
-    tokens = world.word_cdf(first[:m_tok])
-    title = world.title_cdf(title_uniforms[:m_title])
-    for kind, (table, topic_cdf) in enumerate(((world.area_words, world.area_cdf),
-                                                (world.api_words, world.api_cdf))):
-        picks, cdf_uniforms, owners = [], [], []
-        for uniforms, kinds, post in ((second, tok_kinds, token_post), (third, title_kinds, title_post)):
-            offset = 2 * sum(len(p) for p in kinds[:kind])
-            k = len(kinds[kind])
-            picks.append(uniforms[offset:offset + k])
-            cdf_uniforms.append(uniforms[offset + k:offset + 2 * k])
-            owners.append(post[kinds[kind]])
-        owner = np.concatenate(owners)
-        n_tags = tag_offsets[owner + 1] - tag_offsets[owner]
-        tag = post_tags[tag_offsets[owner] + (np.concatenate(picks) * n_tags).astype(np.int64)]
-        ids = table[tag, _sample(topic_cdf, np.concatenate(cdf_uniforms))]
-        n_tok = len(tok_kinds[kind])
-        tokens[tok_kinds[kind]] = ids[:n_tok]
-        title[title_kinds[kind]] = ids[n_tok:]
-    return tokens, title
+    words = np.concatenate([world.word_cdf(first[:m_tok]), world.title_cdf(title_uniforms[:m_title])])
+    # Topical words grouped (sentence area, title area, sentence API, title API); where each group's picks start
+    # in ``uniforms`` (its CDF uniforms follow them).
+    area = np.concatenate([tok_area, m_tok + title_area])
+    api = np.concatenate([tok_api, m_tok + title_api])
+    topical = np.concatenate([area, api])
+    sizes = np.array([len(tok_area), len(title_area), len(tok_api), len(title_api)])
+    group_starts = 2 * np.array([0, tok_topical, len(tok_area), tok_topical + len(title_area)])
+    uniforms = np.concatenate([second[:2 * tok_topical], third])
+    pick = np.arange(len(topical)) + np.repeat(group_starts - (np.cumsum(sizes) - sizes), sizes)
+    owner = post[topical]
+    first_tag = tag_offsets[owner]
+    tag = post_tags[first_tag + (uniforms[pick] * (tag_offsets[owner + 1] - first_tag)).astype(np.int64)]
+    kind_uniforms = uniforms[pick + np.repeat(sizes, sizes)]
+    n_area = len(area)
+    words[area] = world.area_words[tag[:n_area], _sample(world.area_cdf, kind_uniforms[:n_area])]
+    words[api] = world.api_words[tag[n_area:], _sample(world.api_cdf, kind_uniforms[n_area:])]
+    return words[:m_tok], words[m_tok:]
 
 
 def _kind_positions(u: np.ndarray, shares: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
@@ -537,7 +537,7 @@ def _draw_block(rng: np.random.Generator, world: _World, favourites: np.ndarray,
     # Tags: the first one usually a favourite, the rest usually global; dedupe in order.
     n_tags = _sample(_TAGS_PER_POST, rng.random(num_posts)) + 1
     owner = np.repeat(np.arange(num_posts), n_tags)
-    first = np.r_[0, np.cumsum(n_tags)[:-1]]
+    first = np.cumsum(n_tags) - n_tags
     p_fav = np.full(len(owner), 0.25)
     p_fav[first] = 0.75
     tag_ids = np.where(rng.random(len(owner)) < p_fav,
@@ -546,13 +546,15 @@ def _draw_block(rng: np.random.Generator, world: _World, favourites: np.ndarray,
     _, keep = np.unique(owner * NUM_TAGS + tag_ids, return_index=True)
     keep.sort()
     owner, tag_ids = owner[keep], tag_ids[keep]
-    tag_offsets = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_posts))]
+    tag_offsets = np.zeros(num_posts + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owner, minlength=num_posts), out=tag_offsets[1:])
 
     sentence_len = np.clip(np.rint(rng.lognormal(np.log(_TOKENS_MEDIAN), _TOKENS_SIGMA, n)),
                            1, _TOKENS_CAP).astype(np.int64)
     title_len = rng.integers(5, 13, size=num_posts)
-    tokens, title = _draw_words(rng, world, np.repeat(post_of, sentence_len),
-                                np.repeat(np.arange(num_posts), title_len), tag_ids, tag_offsets)
+    tokens, title = _draw_words(rng, world, np.repeat(np.concatenate([post_of, np.arange(num_posts)]),
+                                                      np.concatenate([sentence_len, title_len])),
+                                int(sentence_len.sum()), tag_ids, tag_offsets)
     return _Draws(post_of, times, answer, score, tag_ids, tag_offsets, sentence_len, title_len,
                   tokens, title)
 
