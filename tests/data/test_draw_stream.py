@@ -30,7 +30,7 @@ ROW_FIELDS = ("row_nnz", "columns", "values", "labels", "tag_nnz", "tag_columns"
 
 
 def _former_words(rng, world, background, post, shares, post_tags, tag_offsets):
-    ids = background(rng.random(len(post)))
+    ids = _sample(background.cdf[:-1], rng.random(len(post)))
     u = rng.random(len(post))
     for kind, (low, high) in (("area", (0.0, shares[0])), ("api", (shares[0], shares[0] + shares[1]))):
         topical = np.flatnonzero((u >= low) & (u < high))
@@ -39,7 +39,7 @@ def _former_words(rng, world, background, post, shares, post_tags, tag_offsets):
         tag = post_tags[tag_offsets[owner] + (rng.random(len(owner)) * n_tags).astype(np.int64)]
         table, topic_cdf = ((world.area_words, world.area_cdf) if kind == "area"
                             else (world.api_words, world.api_cdf))
-        ids[topical] = table[tag, _sample(topic_cdf, rng.random(len(owner)))]
+        ids[topical] = table[tag, _sample(topic_cdf.cdf[:-1], rng.random(len(owner)))]
     return ids
 
 
@@ -64,7 +64,7 @@ def _former_block(rng, world, favourites, n, time_range, p_answer) -> _Draws:
     p_fav = np.full(len(owner), 0.25)
     p_fav[first] = 0.75
     tag_ids = np.where(rng.random(len(owner)) < p_fav, favourites[rng.integers(len(favourites), size=len(owner))],
-                       _sample(world.tag_cdf, rng.random(len(owner))))
+                       _sample(world.tag_cdf.cdf[:-1], rng.random(len(owner))))
     _, keep = np.unique(owner * NUM_TAGS + tag_ids, return_index=True)
     keep.sort()
     owner, tag_ids = owner[keep], tag_ids[keep]
@@ -82,7 +82,7 @@ def _former_block(rng, world, favourites, n, time_range, p_answer) -> _Draws:
 def _former_user(seed, user, world, sizes) -> list[tuple[str, _Draws]]:
     rng = np.random.default_rng([seed, 1, user])
     n_favourites = 1 + min(int(rng.poisson(1.2)), 4)
-    favourites = np.unique(_sample(world.tag_cdf, rng.random(n_favourites)))
+    favourites = np.unique(_sample(world.tag_cdf.cdf[:-1], rng.random(n_favourites)))
     p_answer = rng.beta(2.0, 1.5)
     start = int(rng.integers(_DATES["start"], _DATES["last_start"]))
     n = sizes.draw(rng)
