@@ -383,9 +383,9 @@ def _draw_words(rng: np.random.Generator, world: _World, post: np.ndarray, num_t
 def _kind_positions(u: np.ndarray, shares: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
     """Positions of the area words (``u < shares[0]``) and of the API names (``shares[0] <= u < shares[0] +
     shares[1]``) among words with kind uniforms ``u``."""
-    area = np.flatnonzero(u < shares[0])
-    api = np.flatnonzero((u >= shares[0]) & (u < shares[0] + shares[1]))
-    return area, api
+    topical = np.flatnonzero(u < shares[0] + shares[1])
+    is_area = u[topical] < shares[0]
+    return topical[is_area], topical[~is_area]
 
 
 def _varint(value: int) -> bytes:
