@@ -3,7 +3,7 @@
 Two measurements, printed as JSON lines:
 
 * ``generation``: ms per train user of the fast path (draws -> tag rows, one client's
-  ``FederatedTagData``; mean ~400 posts), with the background words drawn through the guide table
+  ``FederatedTagData``; mean ~400 posts), with the words and tags drawn through the guide tables
   (``guided``) and through ``np.searchsorted`` (``searchsorted``, the former code), interleaved A/B,
   ``--repeats`` times over the same ``--users`` users;
 * ``run``: peak RSS (the run's own process, ``ru_maxrss``) and the disk the run leaves (its data
