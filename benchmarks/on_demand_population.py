@@ -3,7 +3,7 @@
 Two measurements, printed as JSON lines:
 
 * ``generation``: ms per train user of the fast path (draws -> tag rows, one client's
-  ``FederatedTagData``; mean ~400 posts), with the background words drawn through the guide table
+  ``FederatedTagData``; mean ~400 posts), with the words and tags drawn through the guide tables
   (``guided``) and through ``np.searchsorted`` (``searchsorted``, the former code), interleaved A/B,
   ``--repeats`` times over the same ``--users`` users;
 * ``run``: peak RSS (the run's own process, ``ru_maxrss``) and the disk the run leaves (its data
@@ -14,13 +14,22 @@ Two measurements, printed as JSON lines:
   layer alone in a fresh process: ``load_task`` (its 10,000-post test set) and 300 clients' rows,
   its peak RSS.
 
-Run from the repository root: ``python benchmarks/on_demand_population.py [--repeats 2]``.
+With ``--base REV``, instead: ``client_data`` CPU time per user (``time.process_time``, so the other jobs on a
+shared machine count less) of this tree against revision ``REV`` (its ``fedprivacy`` package unpacked by
+``git archive``), ``--users`` random clients of the 342,477-user study population (``configs/study_e_lr_grid.yaml``'s
+data section), each revision in a fresh process, the order alternating between repeats; the users' rows are hashed
+and must be equal.
+
+Run from the repository root: ``python benchmarks/on_demand_population.py [--repeats 2]``, or
+``python benchmarks/on_demand_population.py --base 0c74c33 --users 500 --repeats 6``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -103,16 +112,72 @@ def generation(users: int, repeats: int) -> dict:
             **{f"{k}_ms_per_user": [round(t, 3) for t in v] for k, v in times.items()}}
 
 
+def study_clients(folder: Path, users: int) -> dict:
+    """CPU ms per user of ``client_data`` for ``users`` random clients of the study's population, and their rows' hash."""
+    from fedprivacy.config import build_config
+    from fedprivacy.stackoverflow_tasks import load_task
+
+    task = load_task(build_config({"data": {"path": str(folder), "source": "synthetic", "synthetic_clients": 342_477,
+                                            "task": "tag_multilabel", "max_test_examples": 10}}).data)
+    clients = np.random.default_rng(0).integers(task.population, size=users).tolist()
+    digest = hashlib.sha256()
+    started = time.process_time()
+    data = [task.client_data(c) for c in clients]
+    seconds = time.process_time() - started
+    for x, y in data:
+        for array in (x.indptr, x.indices, x.data, *((y.indptr, y.indices, y.data) if hasattr(y, "indptr") else (y,))):
+            digest.update(np.ascontiguousarray(array).tobytes())
+    return {"cpu_ms_per_user": round(seconds / users * 1e3, 3), "rows_sha256": digest.hexdigest()[:16]}
+
+
+def against_base(base: str, users: int, repeats: int) -> None:
+    """This tree's ``client_data`` against revision ``base``'s, fresh processes, order alternating; prints JSON lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"current": Path.cwd(), base: Path(tmp) / "base"}
+        trees[base].mkdir()
+        archive = subprocess.run(["git", "archive", base, "fedprivacy"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(trees[base])], input=archive, check=True)
+        data = Path(tmp) / "data"
+
+        def child(name: str) -> dict:
+            env = {**os.environ, "PYTHONPATH": str(trees[name])}
+            out = subprocess.run([sys.executable, __file__, "--child", "clients", str(data), str(users)], env=env,
+                                 check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            return {"revision": name, **json.loads(out)}
+
+        child("current")   # writes the count files (shared: same generator arguments), warms the file cache
+        times: dict[str, list[float]] = {name: [] for name in trees}
+        hashes = set()
+        for repeat in range(repeats):
+            for name in (list(trees) if repeat % 2 == 0 else list(trees)[::-1]):
+                result = child(name)
+                print(json.dumps(result), flush=True)
+                times[name].append(result["cpu_ms_per_user"])
+                hashes.add(result["rows_sha256"])
+        if len(hashes) != 1:
+            raise SystemExit(f"the revisions' rows differ: {sorted(hashes)}")
+        ratios = [b / c for b, c in zip(times[base], times["current"])]
+        print(json.dumps({"measure": f"client_data cpu ms/user, {base} / current", "users": users,
+                          "median_ratio": round(float(np.median(ratios)), 2),
+                          "ratios": [round(r, 2) for r in ratios],
+                          **{f"{k}_median_ms": round(float(np.median(v)), 3) for k, v in times.items()}}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--users", type=int, default=300)
     parser.add_argument("--generation-only", action="store_true", help="skip the runs")
+    parser.add_argument("--base", metavar="REV", help="compare client_data's CPU time with this revision's")
     parser.add_argument("--child", nargs=3, metavar=("WHAT", "FOLDER", "POPULATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        what, folder, population = args.child
-        print(json.dumps((run_once if what == "run" else data_layer)(Path(folder), int(population))))
+        what, folder, number = args.child
+        measure = {"run": run_once, "data": data_layer, "clients": study_clients}[what]
+        print(json.dumps(measure(Path(folder), int(number))))
+        return
+    if args.base:
+        against_base(args.base, args.users, args.repeats)
         return
     print(json.dumps(generation(args.users, args.repeats)), flush=True)
     if args.generation_only:

@@ -92,12 +92,13 @@ class OnDemandPopulation:
         """The user id of the ``client``-th train user (ids ``u % 10 == 0`` skipped)."""
         return client + client // 9 + 1
 
-    def draws(self, user: int) -> list[tuple[str, _Draws]]:
-        """The user's draws per split, exactly those ``generate`` renders."""
+    def draws(self, user: int, *, first_only: bool = False) -> list[tuple[str, _Draws]]:
+        """The user's draws per split, exactly those ``generate`` renders (``first_only``: its ``train`` or
+        ``heldout`` block alone, the ``test`` block not drawn)."""
         if not 0 <= user < self.num_users:
             raise IndexError(f"user {user} outside 0..{self.num_users - 1}")
         return _user_draws(self.seed, user, _world(self.seed),
-                           _sizes(self.min_examples, self.mean_examples, self.max_examples))
+                           _sizes(self.min_examples, self.mean_examples, self.max_examples), first_only=first_only)
 
     def split_users(self, split: str) -> Iterator[int]:
         """Candidate user ids of a split in id order (``test``: the train users, of which some have no test block)."""
@@ -136,9 +137,8 @@ def count_files(population: OnDemandPopulation, root: Path) -> tuple[Path, Path]
     word_counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
     tag_counts = np.zeros(NUM_TAGS, dtype=np.int64)
     for client in range(counted):
-        for split, draws in p.draws(p.train_user(client)):
-            if split == "train":
-                _add_counts(word_counts, tag_counts, draws.tokens, draws.example_tags())
+        [(_, draws)] = p.draws(p.train_user(client), first_only=True)   # the train block
+        _add_counts(word_counts, tag_counts, draws.tokens, draws.example_tags())
     partial = {path: path.with_name(f"{path.name}.{os.getpid()}.partial") for path in (words, tags)}
     _write_counts(_world(p.seed), word_counts, tag_counts, partial[words], partial[tags])
     for path, temporary in partial.items():
@@ -168,35 +168,38 @@ class TagRows:
 
     def rows(self, draws: _Draws) -> _ClientRows:
         """The CSR pieces of one block, identical to preprocessing its rendered examples."""
-        post_of = draws.post_of
+        post_of, num_posts = draws.post_of, draws.num_posts
         # Tags: each post's in-vocabulary columns, sorted; label = the smallest (0 if none).
         columns = self.tag_column[draws.tag_ids]
-        owner = np.repeat(np.arange(draws.num_posts), np.diff(draws.tag_offsets))
+        owner = np.repeat(np.arange(num_posts), np.diff(draws.tag_offsets))
         known = columns >= 0
         order = np.lexsort((columns[known], owner[known]))
         post_columns, post_owner = columns[known][order], owner[known][order]
-        post_nnz = np.bincount(post_owner, minlength=draws.num_posts)
-        post_start = np.r_[0, np.cumsum(post_nnz)[:-1]]
-        post_label = np.zeros(draws.num_posts, dtype=np.int64)
-        post_label[post_nnz > 0] = post_columns[post_start[post_nnz > 0]]
-        kept = np.flatnonzero(post_nnz[post_of] > 0) if self.no_tag == "drop" else np.arange(len(post_of))
+        post_nnz = np.bincount(post_owner, minlength=num_posts)
+        post_start = np.cumsum(post_nnz) - post_nnz
+        tagged = post_nnz > 0
+        post_label = np.zeros(num_posts, dtype=np.int64)
+        post_label[tagged] = post_columns[post_start[tagged]]
+        kept = np.flatnonzero(tagged[post_of]) if self.no_tag == "drop" else np.arange(len(post_of))
         posts = post_of[kept]
         n = len(kept)
 
-        # Words: the kept sentences' tokens, then their posts' titles.
-        sentence_start = np.r_[0, np.cumsum(draws.sentence_len)[:-1]]
-        title_start = np.r_[0, np.cumsum(draws.title_len)[:-1]]
-        s_len, t_len = draws.sentence_len[kept], draws.title_len[posts]
-        token_rows, token_idx = _expand(sentence_start[kept], s_len)
-        title_rows, title_idx = _expand(title_start[posts], t_len)
-        ids = np.concatenate([self.word_column[draws.tokens[token_idx]], self.word_column[draws.title[title_idx]]])
-        rows = np.concatenate([token_rows, title_rows])
-        in_vocab = ids >= 0
-        keys, counts = np.unique(rows[in_vocab] * self.vocab_size + ids[in_vocab], return_counts=True)
+        # Words: every sentence's tokens, then its post's title, by sentence; the kept sentences renumbered 0..n-1.
+        title_len = draws.title_len[post_of]
+        title_rows, title_idx = _expand((np.cumsum(draws.title_len) - draws.title_len)[post_of], title_len)
+        ids = np.concatenate([self.word_column[draws.tokens], self.word_column[draws.title][title_idx]])
+        rows = np.concatenate([np.repeat(np.arange(len(post_of)), draws.sentence_len), title_rows])
+        counted = ids >= 0
+        if n < len(post_of):
+            row_of = np.full(len(post_of), -1)
+            row_of[kept] = np.arange(n)
+            rows = row_of[rows]
+            counted &= rows >= 0
+        keys, counts = _counted(rows[counted] * self.vocab_size + ids[counted])
         key_rows = keys // self.vocab_size
-        lengths = (s_len + t_len).astype(np.float64)
+        lengths = (draws.sentence_len + title_len)[kept].astype(np.float64)
 
-        tag_rows, tag_idx = _expand(post_start[posts], post_nnz[posts])
+        _, tag_idx = _expand(post_start[posts], post_nnz[posts])
         return _ClientRows(row_nnz=np.bincount(key_rows, minlength=n),
                            columns=(keys % self.vocab_size).astype(np.int32),
                            values=(counts / lengths[key_rows]).astype(np.float32),
@@ -207,14 +210,28 @@ class TagRows:
 
 
 def _columns(names: np.ndarray, vocabulary: Sequence[str], path: Path) -> np.ndarray:
-    """Rank -> position of the name in ``vocabulary`` (-1 if absent), for the generator's names."""
+    """Rank -> position of the name in ``vocabulary`` (-1 if absent), for the generator's names (int32: the lookups
+    gather from it at random, and half the bytes stay in cache)."""
     rank = {name: r for r, name in enumerate(names.tolist())}
-    column = np.full(len(names), -1, dtype=np.int64)
+    column = np.full(len(names), -1, dtype=np.int32)
     for j, name in enumerate(vocabulary):
         if name not in rank:
             raise ValueError(f"{path}: {name!r} is not a word or tag of the synthetic generator")
         column[rank[name]] = j
     return column
+
+
+def _counted(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_counts=True)`` for keys made of ascending runs (a block's rows, then its title rows).
+
+    A stable sort (timsort) merges the runs instead of sorting from scratch: about five times faster here.
+    """
+    keys = np.sort(keys, kind="stable")
+    first = np.empty(len(keys), dtype=bool)
+    first[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return keys[starts], np.diff(starts, append=len(keys))
 
 
 def _expand(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -245,7 +262,7 @@ class OnDemandTags:
         if not 0 <= client < self.num_clients:
             raise IndexError(f"client {client} outside 0..{self.num_clients - 1}")
         user = self.population.train_user(client)
-        [(_, draws), *_] = self.population.draws(user)
+        [(_, draws)] = self.population.draws(user, first_only=True)
         data = assemble([(self.population.client_id(user), self.rows.rows(draws))], self.vocab_size, self.num_tags)
         cap = self.max_examples_per_client
         if cap is None or data.offsets[-1] <= cap:

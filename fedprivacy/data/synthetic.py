@@ -157,19 +157,21 @@ class SyntheticFiles:
         return [self.sqlite] if self.sqlite is not None else list(self.h5.values())
 
 
-_GUIDE_BITS = 18
-
-
 @dataclass(frozen=True)
 class _GuidedCDF:
-    """Inverse-CDF sampling over a long CDF through a guide table; the indices of :func:`_sample`, exactly.
+    """Inverse-CDF sampling through a guide table; the indices of :func:`_sample`, exactly.
 
-    ``guide[k]`` is the number of CDF entries ``<= k / M`` (``M = 2^18`` buckets). For a uniform
+    ``guide[k]`` is the number of CDF entries ``<= k / M`` (``M`` buckets, a power of two with at
+    least four per entry: ``2^18`` for the 50,000 words, ``2^12`` for the 1,000 tags). For a uniform
     ``u``, ``k = floor(u M)`` is exact (``M`` is a power of two), so ``k / M <= u`` and the answer
     (the number of entries ``<= u``) is at least ``guide[k]``; it is reached by stepping up while
-    ``cdf[idx] <= u``, a few vectorized passes since few entries share a bucket. Same indices as
-    ``np.searchsorted(cdf, u, side="right")``, about six times faster on the 50,000-word CDF
-    (the binary search's cache misses and mispredicted branches dominated).
+    ``cdf[idx] <= u``, a few vectorized passes since few entries share a bucket; only the first pass
+    reads every uniform, the later ones only those that stepped (about one in twelve on the word CDF,
+    then one in eighty). Same indices as ``np.searchsorted(cdf, u, side="right")``, whose cache misses
+    and mispredicted branches grow with the number of uniforms: on the word CDF 2.3 times faster for
+    5,000 uniforms (a mean user's sentences) and 15 times for 50,000; on the 50 area words 1.4 times
+    for 3,000 and 7.7 times for 20,000, a few microseconds slower below a thousand (2 vCPU, load 6,
+    2026-11-28). The large users, which dominate the cost, gain the most.
     """
 
     cdf: np.ndarray
@@ -177,14 +179,16 @@ class _GuidedCDF:
 
     @classmethod
     def of(cls, cdf: np.ndarray) -> _GuidedCDF:
-        buckets = 1 << _GUIDE_BITS
+        buckets = 1 << max(10, (len(cdf) - 1).bit_length() + 2)
         return cls(np.append(cdf, np.inf),
                    np.searchsorted(cdf, np.arange(buckets) / buckets, side="right").astype(np.int32))
 
     def __call__(self, uniforms: np.ndarray) -> np.ndarray:
         idx = self.guide[(uniforms * len(self.guide)).astype(np.int64)].astype(np.int64)
-        while (step := self.cdf[idx] <= uniforms).any():
-            idx += step
+        moving = np.flatnonzero(self.cdf[idx] <= uniforms)
+        while len(moving):
+            idx[moving] += 1
+            moving = moving[self.cdf[idx[moving]] <= uniforms[moving]]
         return idx
 
 
@@ -196,11 +200,11 @@ class _World:
     word_cdf: _GuidedCDF     # background word distribution for tokens
     title_cdf: _GuidedCDF    # same without punctuation, for titles
     tags: np.ndarray         # object array of tag names, by popularity rank
-    tag_cdf: np.ndarray
+    tag_cdf: _GuidedCDF
     area_words: np.ndarray   # int (NUM_TAGS, _AREA_WORDS): the generic words of each tag's area
-    area_cdf: np.ndarray
+    area_cdf: _GuidedCDF
     api_words: np.ndarray    # int (NUM_TAGS, _API_WORDS): each tag's API names
-    api_cdf: np.ndarray
+    api_cdf: _GuidedCDF
 
 
 @dataclass(frozen=True)
@@ -330,32 +334,60 @@ def _world(seed: int) -> _World:
     title_cdf = np.cumsum(weights)
     return _World(words=words, word_cdf=_GuidedCDF.of(_zipf_cdf(VOCAB_SIZE, *_WORD_ZIPF)),
                   title_cdf=_GuidedCDF.of(title_cdf / title_cdf[-1]), tags=tags,
-                  tag_cdf=_zipf_cdf(NUM_TAGS, *_TAG_ZIPF), area_words=area_words,
-                  area_cdf=_zipf_cdf(_AREA_WORDS, 1.0, 0.8), api_words=api_words,
-                  api_cdf=_zipf_cdf(_API_WORDS, 1.0, 0.9))
+                  tag_cdf=_GuidedCDF.of(_zipf_cdf(NUM_TAGS, *_TAG_ZIPF)), area_words=area_words,
+                  area_cdf=_GuidedCDF.of(_zipf_cdf(_AREA_WORDS, 1.0, 0.8)), api_words=api_words,
+                  api_cdf=_GuidedCDF.of(_zipf_cdf(_API_WORDS, 1.0, 0.9)))
 
 
-def _draw_words(rng: np.random.Generator, world: _World, background: _GuidedCDF,
-                post: np.ndarray, shares: tuple[float, float], post_tags: np.ndarray,
-                tag_offsets: np.ndarray) -> np.ndarray:
-    """Word ids for words owned by the given posts, mixing background and topical words.
+def _draw_words(rng: np.random.Generator, world: _World, post: np.ndarray, num_tokens: int,
+                post_tags: np.ndarray, tag_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Word ids of a block's sentences and of its titles, mixing background and topical words.
 
-    A word is an area word with probability ``shares[0]`` and an API name with
-    probability ``shares[1]``; a topical word belongs to one of its post's tags,
-    picked uniformly.
+    Word ``i`` belongs to post ``post[i]``; the first ``num_tokens`` words are the sentences', the others the
+    titles'. A word is an area word with probability ``shares[0]`` and an API name with probability ``shares[1]``
+    (:data:`_TOPIC_SHARE`: ``tokens`` for sentences, ``title`` for titles); a topical word belongs to one of its
+    post's tags, picked uniformly. The uniforms come in this order, which defines the data: for the sentences, then
+    for the titles, ``m`` background uniforms and ``m`` kind uniforms (``m`` words), then for the area words, then
+    for the API names, ``k`` tag picks and ``k`` uniforms over the kind's CDF. ``Generator.random`` fills arrays
+    from one stream of doubles, so a call for ``a + b`` uniforms gives those of calls for ``a`` and ``b``: the
+    draws are taken in three calls (the sizes of the later ones depend on the kind uniforms) and sliced, and the
+    topical words of both parts are drawn together.
     """
-    ids = background(rng.random(len(post)))
-    u = rng.random(len(post))
-    for kind, (low, high) in (("area", (0.0, shares[0])),
-                              ("api", (shares[0], shares[0] + shares[1]))):
-        topical = np.flatnonzero((u >= low) & (u < high))
-        owner = post[topical]
-        n_tags = tag_offsets[owner + 1] - tag_offsets[owner]
-        tag = post_tags[tag_offsets[owner] + (rng.random(len(owner)) * n_tags).astype(np.int64)]
-        table, topic_cdf = ((world.area_words, world.area_cdf) if kind == "area"
-                            else (world.api_words, world.api_cdf))
-        ids[topical] = table[tag, _sample(topic_cdf, rng.random(len(owner)))]
-    return ids
+    m_tok, m_title = num_tokens, len(post) - num_tokens
+    first = rng.random(2 * m_tok)
+    tok_area, tok_api = _kind_positions(first[m_tok:], _TOPIC_SHARE["tokens"])
+    tok_topical = len(tok_area) + len(tok_api)
+    second = rng.random(2 * tok_topical + 2 * m_title)
+    title_uniforms = second[2 * tok_topical:]
+    title_area, title_api = _kind_positions(title_uniforms[m_title:], _TOPIC_SHARE["title"])
+    third = rng.random(2 * (len(title_area) + len(title_api)))
+
+    words = np.concatenate([world.word_cdf(first[:m_tok]), world.title_cdf(title_uniforms[:m_title])])
+    # Topical words grouped (sentence area, title area, sentence API, title API); where each group's picks start
+    # in ``uniforms`` (its CDF uniforms follow them).
+    area = np.concatenate([tok_area, m_tok + title_area])
+    api = np.concatenate([tok_api, m_tok + title_api])
+    topical = np.concatenate([area, api])
+    sizes = np.array([len(tok_area), len(title_area), len(tok_api), len(title_api)])
+    group_starts = 2 * np.array([0, tok_topical, len(tok_area), tok_topical + len(title_area)])
+    uniforms = np.concatenate([second[:2 * tok_topical], third])
+    pick = np.arange(len(topical)) + np.repeat(group_starts - (np.cumsum(sizes) - sizes), sizes)
+    owner = post[topical]
+    first_tag = tag_offsets[owner]
+    tag = post_tags[first_tag + (uniforms[pick] * (tag_offsets[owner + 1] - first_tag)).astype(np.int64)]
+    kind_uniforms = uniforms[pick + np.repeat(sizes, sizes)]
+    n_area = len(area)
+    words[area] = world.area_words[tag[:n_area], world.area_cdf(kind_uniforms[:n_area])]
+    words[api] = world.api_words[tag[n_area:], world.api_cdf(kind_uniforms[n_area:])]
+    return words[:m_tok], words[m_tok:]
+
+
+def _kind_positions(u: np.ndarray, shares: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the area words (``u < shares[0]``) and of the API names (``shares[0] <= u < shares[0] +
+    shares[1]``) among words with kind uniforms ``u``."""
+    topical = np.flatnonzero(u < shares[0] + shares[1])
+    is_area = u[topical] < shares[0]
+    return topical[is_area], topical[~is_area]
 
 
 def _varint(value: int) -> bytes:
@@ -505,24 +537,24 @@ def _draw_block(rng: np.random.Generator, world: _World, favourites: np.ndarray,
     # Tags: the first one usually a favourite, the rest usually global; dedupe in order.
     n_tags = _sample(_TAGS_PER_POST, rng.random(num_posts)) + 1
     owner = np.repeat(np.arange(num_posts), n_tags)
-    first = np.r_[0, np.cumsum(n_tags)[:-1]]
+    first = np.cumsum(n_tags) - n_tags
     p_fav = np.full(len(owner), 0.25)
     p_fav[first] = 0.75
     tag_ids = np.where(rng.random(len(owner)) < p_fav,
                        favourites[rng.integers(len(favourites), size=len(owner))],
-                       _sample(world.tag_cdf, rng.random(len(owner))))
+                       world.tag_cdf(rng.random(len(owner))))
     _, keep = np.unique(owner * NUM_TAGS + tag_ids, return_index=True)
     keep.sort()
     owner, tag_ids = owner[keep], tag_ids[keep]
-    tag_offsets = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_posts))]
+    tag_offsets = np.zeros(num_posts + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owner, minlength=num_posts), out=tag_offsets[1:])
 
     sentence_len = np.clip(np.rint(rng.lognormal(np.log(_TOKENS_MEDIAN), _TOKENS_SIGMA, n)),
                            1, _TOKENS_CAP).astype(np.int64)
     title_len = rng.integers(5, 13, size=num_posts)
-    tokens = _draw_words(rng, world, world.word_cdf, np.repeat(post_of, sentence_len),
-                         _TOPIC_SHARE["tokens"], tag_ids, tag_offsets)
-    title = _draw_words(rng, world, world.title_cdf, np.repeat(np.arange(num_posts), title_len),
-                        _TOPIC_SHARE["title"], tag_ids, tag_offsets)
+    tokens, title = _draw_words(rng, world, np.repeat(np.concatenate([post_of, np.arange(num_posts)]),
+                                                      np.concatenate([sentence_len, title_len])),
+                                int(sentence_len.sum()), tag_ids, tag_offsets)
     return _Draws(post_of, times, answer, score, tag_ids, tag_offsets, sentence_len, title_len,
                   tokens, title)
 
@@ -547,11 +579,16 @@ def _render(world: _World, draws: _Draws) -> _Block:
     return _Block(post_columns, sentences, draws.post_of, draws.tokens, draws.example_tags())
 
 
-def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tuple[str, _Draws]]:
-    """The draws of all examples of one user, grouped by split (a pure function of its arguments)."""
+def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes, *,
+                first_only: bool = False) -> list[tuple[str, _Draws]]:
+    """The draws of all examples of one user, grouped by split (a pure function of its arguments).
+
+    With ``first_only``, only the first split's (``heldout`` or ``train``): its draws come first in the user's
+    stream, so they are the same, and the ``test`` block is not drawn.
+    """
     rng = np.random.default_rng([seed, 1, user])
     n_favourites = 1 + min(int(rng.poisson(1.2)), 4)
-    favourites = np.unique(_sample(world.tag_cdf, rng.random(n_favourites)))
+    favourites = np.unique(world.tag_cdf(rng.random(n_favourites)))
     p_answer = rng.beta(2.0, 1.5)
     start = int(rng.integers(_DATES["start"], _DATES["last_start"]))
     n = sizes.draw(rng)
@@ -561,7 +598,7 @@ def _user_draws(seed: int, user: int, world: _World, sizes: _Sizes) -> list[tupl
         return [("heldout", _draw_block(rng, world, favourites, n + n_test, (start, _DATES["end"]),
                                         p_answer))]
     splits = [("train", _draw_block(rng, world, favourites, n, (start, _DATES["test"]), p_answer))]
-    if n_test:
+    if n_test and not first_only:
         splits.append(("test", _draw_block(rng, world, favourites, n_test,
                                            (_DATES["test"], _DATES["end"]), p_answer)))
     return splits

@@ -177,11 +177,15 @@ def test_a_count_file_the_generator_cannot_have_written_is_refused(tmp_path) -> 
 @given(st.lists(st.one_of(st.floats(0.0, 1.0, exclude_max=True),
                           st.integers(0, (1 << 18) - 1).map(lambda k: k / (1 << 18)),
                           st.integers(0, 49_999).map(lambda r: float(_world(0).word_cdf.cdf[r])),
-                          st.integers(0, 49_999).map(lambda r: float(np.nextafter(_world(0).word_cdf.cdf[r], 0)))),
+                          st.integers(0, 49_999).map(lambda r: float(np.nextafter(_world(0).word_cdf.cdf[r], 0))),
+                          st.sampled_from(["tag_cdf", "area_cdf", "api_cdf"]).flatmap(
+                              lambda name: st.sampled_from(getattr(_world(0), name).cdf[:-1].tolist())).flatmap(
+                              lambda c: st.sampled_from([c, float(np.nextafter(c, 0))]))),
                 min_size=1, max_size=50).map(np.array))
 def test_the_guide_table_draws_the_indices_of_searchsorted(uniforms) -> None:
     uniforms = uniforms[uniforms < 1.0]
-    for guided in (_world(0).word_cdf, _world(0).title_cdf):
+    world = _world(0)
+    for guided in (world.word_cdf, world.title_cdf, world.tag_cdf, world.area_cdf, world.api_cdf):
         assert np.array_equal(guided(uniforms), _sample(guided.cdf[:-1], uniforms))
 
 
