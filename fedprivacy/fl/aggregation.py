@@ -70,7 +70,9 @@ class Diagnostics:
     def add(self, content: RecordDict) -> None:
         reported: Mapping[str, Any] = typed_record(content, "metrics", MetricRecord) or {}
         numbers = {k: float(v) for k, v in reported.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.uplink.append(record_nbytes(content["arrays"]))
+        arrays = typed_record(content, "arrays", ArrayRecord)
+        assert arrays is not None, "an accepted reply carries its update as the ArrayRecord 'arrays'"
+        self.uplink.append(record_nbytes(arrays))
         if "train_loss" in numbers:
             self.losses.append(numbers["train_loss"])
         if "residual-bytes" in numbers:
