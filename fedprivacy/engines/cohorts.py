@@ -51,7 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedprivacy.client.cohort_training import train_cohort, unsupported_reason
 from fedprivacy.client.sparse_cohort import train_sparse_cohort, trains_in_closed_form
@@ -61,7 +61,7 @@ from fedprivacy.engines.heap import keep_freed_memory
 from fedprivacy.engines.processes import run_processes
 from fedprivacy.fl.canary_client import CANARY_RECORD
 from fedprivacy.fl.client_app import ClientJob, LastDecoded, client_reply, combine_disk_passes
-from fedprivacy.fl.records import load_record_
+from fedprivacy.fl.records import load_record_, typed_record
 from fedprivacy.fl.side_information import node_side_information
 from fedprivacy.models.logit_losses import closed_form_loss
 from fedprivacy.stackoverflow_tasks import load_task
@@ -158,9 +158,9 @@ class CohortTrainer:
         """Whether these are ``train`` messages (no SecAgg+ stage, no canary: :mod:`fedprivacy.fl.canaries`; a DiSK
         lookahead only for the sparse model) that :meth:`replies` answers."""
         return bool(messages) and all(
-            m.metadata.message_type == "train" and "secagg" not in m.content.config_records
-            and CANARY_RECORD not in m.content.config_records
-            and (self.sparse or "lookahead" not in m.content.array_records) for m in messages)
+            m.metadata.message_type == "train" and typed_record(m.content, "secagg", ConfigRecord) is None
+            and typed_record(m.content, CANARY_RECORD, ConfigRecord) is None
+            and (self.sparse or typed_record(m.content, "lookahead", ArrayRecord) is None) for m in messages)
 
     def replies(self, messages: Sequence[Message], states: Sequence[RecordDict]) -> Iterator[Message]:
         """The ClientApp's reply to each message, trained in chunks (the class docstring), chunk by chunk.
@@ -238,7 +238,7 @@ class _RoundInputs:
         sides = [node_side_information(m, Context(run_id=0, node_id=m.metadata.dst_node_id, node_config={},
                                                   state=state, run_config={}), device)
                  for m, state in zip(messages, states)]
-        records = [m.content.array_records.get("lookahead") for m in messages]
+        records = [typed_record(m.content, "lookahead", ArrayRecord) for m in messages]
         coefficients = {float(m.content["config"]["disk-c"]) for m in messages if "disk-c" in m.content["config"]}
         if any(side is not sides[0] for side in sides) or any(r is not records[0] for r in records) \
                 or len(coefficients) > 1:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 from uuid import uuid4
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
@@ -35,6 +35,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedprivacy.engines.processes import ProcessPool
 from fedprivacy.fl.canary_client import CANARY_RECORD
 from fedprivacy.fl.client_app import LEGACY_RESIDUAL, RESIDUAL, adopt_legacy_residual
+from fedprivacy.fl.records import typed_record
 
 if TYPE_CHECKING:
     from fedprivacy.engines.cohorts import CohortTrainer
@@ -117,7 +118,7 @@ class InProcessGrid(Grid):
         messages = list(messages)
         if self.prefetch is not None and (cohort := [self._partition(m.metadata.dst_node_id) for m in messages
                                                      if m.metadata.message_type == "train"
-                                                     and CANARY_RECORD not in m.content.config_records]):
+                                                     and typed_record(m.content, CANARY_RECORD, ConfigRecord) is None]):
             self.prefetch(cohort)
         ids = []
         for msg in messages:

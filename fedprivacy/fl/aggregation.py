@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from fedprivacy.privacy.combination import Combination
-from fedprivacy.fl.records import record_nbytes, reply_content
+from fedprivacy.fl.records import record_nbytes, reply_content, typed_record
 from fedprivacy.fl.secure_aggregation import SECAGG, SecAggAborted, SecAggRound, SecureAggregation, masked_upload
 from fedprivacy.privacy.aggregation import PrivateSum
 from fedprivacy.privacy.mechanism import GaussianMechanism, Release
@@ -68,9 +68,11 @@ class Diagnostics:
     residual: list[float] = field(default_factory=list)
 
     def add(self, content: RecordDict) -> None:
-        reported: Mapping[str, Any] = content.metric_records.get("metrics") or {}
+        reported: Mapping[str, Any] = typed_record(content, "metrics", MetricRecord) or {}
         numbers = {k: float(v) for k, v in reported.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.uplink.append(record_nbytes(content.array_records["arrays"]))
+        arrays = typed_record(content, "arrays", ArrayRecord)
+        assert arrays is not None, "an accepted reply carries its update as the ArrayRecord 'arrays'"
+        self.uplink.append(record_nbytes(arrays))
         if "train_loss" in numbers:
             self.losses.append(numbers["train_loss"])
         if "residual-bytes" in numbers:

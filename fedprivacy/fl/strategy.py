@@ -93,7 +93,7 @@ from fedprivacy.fl.parts import Accounting, Bounding, Noise, Participation, Serv
 from fedprivacy.privacy.combination import Combination, refuse_incompatible
 from fedprivacy.fl.population import (NODE_DISCOVERY_TIMEOUT_S, PopulationMismatch, in_order, node_identities,
                                       population_change, wait_for_population)
-from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_content, reply_to_update
+from fedprivacy.fl.records import layout_to_record, record_to_layout, reply_content, reply_to_update, typed_record
 from fedprivacy.fl.hooks import RunHook
 from fedprivacy.fl.strategy_state import StrategyState
 from fedprivacy.optim.server_step import ServerStep
@@ -618,7 +618,7 @@ class DPFedAvg(Strategy):
         content, m, node = reply_content(reply), self.mechanism, reply.metadata.src_node_id
         try:
             self.client_ledgers.compose_reply(
-                self._labels.get(node, node), content.metric_records.get("metrics"), record_level=self.record_level,
+                self._labels.get(node, node), typed_record(content, "metrics", MetricRecord), record_level=self.record_level,
                 local_noise_multiplier=m.noise_multiplier if m.placement == "local" else None)
         except ValueError as err:
             raise RejectedUpdate("unaccounted", str(err)) from None

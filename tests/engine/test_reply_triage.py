@@ -5,9 +5,11 @@ rejection."""
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fedprivacy.fl.records import reply_content, reply_to_update, update_to_record, vector_to_record
+from fedprivacy.fl.records import reply_content, reply_to_update, typed_record, update_to_record, vector_to_record
 from fedprivacy.fl.server_app import DPFedAvgServer
 from fedprivacy.stackoverflow_tasks import load_task
 from fedprivacy.updates import RejectedUpdate, SparseUpdate
@@ -78,3 +80,31 @@ def test_the_server_accepts_flower_style_full_weights_as_well_as_its_own_deltas(
     torch.testing.assert_close(full.to_dense(), u, rtol=0, atol=1e-6)
     delta = strategy._accept(_reply(update_to_record(SparseUpdate.dense(u))))
     assert torch.equal(delta.to_dense(), u)
+
+
+KINDS = {"array_records": ArrayRecord, "config_records": ConfigRecord, "metric_records": MetricRecord}
+_RECORDS = st.sampled_from([lambda: ArrayRecord({"values": Array(np.zeros(2, np.float32))}),
+                            lambda: ConfigRecord({"secagg": 1}), lambda: MetricRecord({"train_loss": 0.5}),
+                            ArrayRecord, ConfigRecord, MetricRecord])  # empty records of each kind too
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["arrays", "metrics", "config", "secagg", "lookahead", "a.b", ""]), _RECORDS,
+                       max_size=5), st.sampled_from(["arrays", "metrics", "config", "secagg", "lookahead", "absent"]))
+def test_a_typed_record_is_flowers_typed_view_of_the_same_key(records, key):
+    """``typed_record(content, key, kind)`` is ``content.<kind>_records.get(key)``: the very record or None,
+    whatever records of other kinds share the content (crafted keys, empty records included)."""
+    content = RecordDict({name: make() for name, make in records.items()})
+    for view, kind in KINDS.items():
+        assert typed_record(content, key, kind) is getattr(content, view).get(key)
+
+
+def test_an_encoded_update_is_the_record_flowers_constructor_builds_of_the_same_arrays():
+    sent = SparseUpdate(torch.tensor([0, 3]), torch.randn(2, 5), 25)
+    for _ in range(2):  # the second encoding reads the cached .npy headers
+        record = update_to_record(sent)
+        expected = ArrayRecord({"indices": Array(np.array([0, 3], np.int32)), "values": Array(sent.values.numpy())})
+        assert list(record.keys()) == list(expected.keys())
+        for name in record.keys():
+            got, want = record[name], expected[name]
+            assert (got.dtype, got.shape, got.stype, got.data) == (want.dtype, want.shape, want.stype, want.data)
