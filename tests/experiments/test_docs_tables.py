@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = {"docs/STUDIES.md": {"study_a_adadps_federated", "study_a_adadps_federated:grid", "study_b_reddi_tags",
                              "study_c_next_word", "study_e_lr_grid:grid"},
         "docs/audit.md": {"canaries_quickstart:canaries", "canaries_quickstart_120:canaries",
+                          "canaries_study_scale:canaries",
                           *(f"canary_{run}:canaries" for run in ("half_correct", "half_noise_halved",
                                                                  "half_double_clip_half_noise", "norm10_correct",
                                                                  "norm10_unclipped", "norm10_clip_after_sum"))},
