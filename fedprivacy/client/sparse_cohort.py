@@ -37,7 +37,10 @@ batches are the same. A client with no step :math:`j` (it has fewer posts) has n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,8 +50,10 @@ import torch
 from fedprivacy.client.cohort_training import _batch_indices
 from fedprivacy.client.trainer import LocalResult
 from fedprivacy.models.logistic import LocalRows, SparseLogisticRegression
-from fedprivacy.models.logit_losses import SOFTMAX_CROSS_ENTROPY, LogitLoss, closed_form_loss
+from fedprivacy.models.logit_losses import SOFTMAX_CROSS_ENTROPY, LogitLoss, closed_form_loss, logit_gradient_into
 from fedprivacy.updates import SparseUpdate
+
+log = logging.getLogger(__name__)
 
 
 def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple[sp.csr_matrix, Any]], *,
@@ -76,16 +81,10 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
                        loss.concat([y for _, y in clients]), loss, device,
                        None if inverse is None or inverse.shape[1] > 1 else inverse[:, 0])
     losses = torch.empty(len(plan.owner), dtype=x.dtype, device=device)  # each row's loss statistic, in step order
-    diagonal = inverse is None or inverse.shape[1] == 1
-    for step in zip(*plan.steps(), losses.split(plan.rows_per_step)):
-        columns, offsets, values, targets, indices, scaled, step_losses = step
-        logits = torch.embedding_bag(x, columns, offsets, False, 0, False, values)[0]  # mode 0: sum
-        g = loss.gradient_into(logits, targets, step_losses)  # the 1 / B is in the backward's values
-        xt = torch.sparse_coo_tensor(indices, scaled, (len(x), len(offsets)), check_invariants=False)
-        if diagonal:
-            torch.addmm(x, xt, g, alpha=-lr, out=x)
-        else:
-            x.addcmul_(torch.sparse.mm(xt, g), inverse, value=-lr)
+    per_coordinate = None if inverse is None or inverse.shape[1] == 1 else inverse
+    with torch.jit.optimized_execution(False):  # run the ops as written (no graph rewrites): the Python loop's result
+        compiled_local_steps()(x, *map(list, plan.steps()), list(losses.split(plan.rows_per_step)), lr, loss.softmax,
+                               per_coordinate)
     x.sub_(start)
     loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device).index_add_(
         0, plan.owner, loss.losses_(losses).double()).tolist()
@@ -97,6 +96,43 @@ def train_sparse_cohort(model: SparseLogisticRegression, clients: Sequence[tuple
                                    train_loss=loss_sums[i] / examples if examples else 0.0,
                                    num_examples=int(counts[i])))
     return results
+
+
+def local_steps(x: torch.Tensor, columns: list[torch.Tensor], offsets: list[torch.Tensor], values: list[torch.Tensor],
+                targets: list[torch.Tensor], indices: list[torch.Tensor], scaled: list[torch.Tensor],
+                statistics: list[torch.Tensor], lr: float, softmax: bool, per_coordinate: torch.Tensor | None) -> None:
+    """Every step of a :class:`_Plan` (its :meth:`~_Plan.steps`, one list entry per step), in place on ``X``
+    (``x``): the forward's ``embedding_bag`` sum, the loss's logit gradient (``softmax``:
+    :func:`~fedprivacy.models.logit_losses.logit_gradient_into`, each row's statistic into ``statistics``; the
+    ``1 / B`` is in the backward's ``scaled`` values) and the backward ``X <- X - lr X_j^T G`` (module docstring's
+    two equations); ``per_coordinate``: AdaDPS's ``(R, K)`` ``1 / A``, multiplying the product.
+
+    Plain tensor code: :func:`compiled_local_steps` compiles it with TorchScript, whose interpreter runs the
+    loop without Python's global lock, so the cohort trainer's threads train their chunks on every core."""
+    rows = x.shape[0]
+    minus_one = torch.full([1, 1], -1.0, dtype=x.dtype, device=x.device)
+    for j in range(len(columns)):
+        logits = torch.embedding_bag(x, columns[j], offsets[j], False, 0, False, values[j])[0]  # mode 0: sum
+        g = logit_gradient_into(logits, targets[j], statistics[j], softmax, minus_one)
+        xt = torch.sparse_coo_tensor(indices[j], scaled[j], [rows, offsets[j].shape[0]])
+        if per_coordinate is None:
+            torch.addmm(x, xt, g, alpha=-lr, out=x)
+        else:
+            x.addcmul_(torch.sparse.mm(xt, g), per_coordinate, value=-lr)
+
+
+@functools.cache
+def compiled_local_steps() -> Callable[..., None]:
+    """:func:`local_steps` compiled by TorchScript (once per process), or :func:`local_steps` itself where
+    TorchScript cannot compile it (TorchScript is deprecated in recent torch; a warning then says so): the same loop, whose
+    threads then share Python's lock between kernels (slower on several cores, the same result)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script's deprecation notice
+            return torch.jit.script(local_steps)
+    except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the same loop in Python
+        log.warning("TorchScript could not compile the cohort's step loop (%s); it runs in Python", exc)
+        return local_steps
 
 
 def _inverse_rows(model: SparseLogisticRegression, preconditioner: dict[str, torch.Tensor] | None,

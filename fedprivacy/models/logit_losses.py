@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 
-_MINUS_ONE = torch.tensor(-1.0)  # e_y's coefficient in softmax(z) - e_y, expanded to each step's rows
+_MINUS_ONE = torch.tensor([[-1.0]])  # e_y's coefficient in softmax(z) - e_y, expanded to each step's rows
 
 
 class SoftmaxCrossEntropy:
@@ -52,15 +52,14 @@ class SoftmaxCrossEntropy:
         g.scatter_add_(1, at, torch.full_like(at, -1.0, dtype=g.dtype))
         return g, losses
 
+    softmax = True  # which branch of :func:`logit_gradient_into` computes this loss
+
     @staticmethod
     def gradient_into(logits: torch.Tensor, targets: torch.Tensor, statistic: torch.Tensor) -> torch.Tensor:
         """:meth:`gradient`'s ``g``, writing into ``statistic`` (``(n,)``) each row's ``softmax(z)_y``, which
         :meth:`losses_` turns into the row's loss ``-log softmax(z)_y`` later, for all steps at once (the same
         values: elementwise ops; a step then pays 3 kernels, not 8)."""
-        g = torch.softmax(logits, dim=1)
-        at = targets[:, None]
-        torch.gather(g, 1, at, out=statistic[:, None])
-        return g.scatter_add_(1, at, _MINUS_ONE.expand(at.shape))
+        return logit_gradient_into(logits, targets, statistic, True, _MINUS_ONE)
 
     @staticmethod
     def losses_(statistic: torch.Tensor) -> torch.Tensor:
@@ -81,6 +80,8 @@ class SigmoidBinaryCrossEntropy:
         """The dense multi-hot targets ``(len(rows), K)`` of ``rows``, float32 on ``device``."""
         return torch.from_numpy(labels[rows].toarray().astype(np.float32, copy=False)).to(device, non_blocking=True)
 
+    softmax = False  # which branch of :func:`logit_gradient_into` computes this loss
+
     @staticmethod
     def gradient(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, l)``: each row's logit gradient ``(sigmoid(z) - t) / K`` and loss ``mean_k BCE(sigmoid(z_k), t_k)``."""
@@ -88,17 +89,33 @@ class SigmoidBinaryCrossEntropy:
         g = torch.sigmoid(logits).sub_(targets).div_(logits.shape[1])
         return g, losses
 
-    @classmethod
-    def gradient_into(cls, logits: torch.Tensor, targets: torch.Tensor, statistic: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def gradient_into(logits: torch.Tensor, targets: torch.Tensor, statistic: torch.Tensor) -> torch.Tensor:
         """:meth:`gradient`'s ``g``, writing each row's loss into ``statistic`` (``(n,)``)."""
-        g, losses = cls.gradient(logits, targets)
-        statistic.copy_(losses)
-        return g
+        return logit_gradient_into(logits, targets, statistic, False, _MINUS_ONE)
 
     @staticmethod
     def losses_(statistic: torch.Tensor) -> torch.Tensor:
         """The rows' losses from :meth:`gradient_into`'s statistic: the statistic itself."""
         return statistic
+
+
+def logit_gradient_into(logits: torch.Tensor, targets: torch.Tensor, statistic: torch.Tensor, softmax: bool,
+                        minus_one: torch.Tensor) -> torch.Tensor:
+    """The logit gradient ``g`` of either loss (``softmax``: :class:`SoftmaxCrossEntropy`, else
+    :class:`SigmoidBinaryCrossEntropy`), each row's statistic written into ``statistic``: ``softmax(z)_y``,
+    or the row's loss ``mean_k BCE``. ``minus_one``: a one-element tensor holding -1 (e_y's coefficient).
+
+    Plain tensor code that TorchScript compiles as it is: the cohort trainer's compiled step loop
+    (:func:`fedprivacy.client.sparse_cohort.local_steps`) calls this same function, so the two paths
+    compute the same ops in the same order."""
+    if softmax:
+        g = torch.softmax(logits, dim=1)
+        at = targets.unsqueeze(1)
+        torch.gather(g, 1, at, out=statistic.unsqueeze(1))
+        return g.scatter_add_(1, at, minus_one.expand(at.shape))
+    statistic.copy_(nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1))
+    return torch.sigmoid(logits).sub_(targets).div_(logits.shape[1])
 
 
 LogitLoss = SoftmaxCrossEntropy | SigmoidBinaryCrossEntropy
