@@ -136,8 +136,9 @@ class CohortTrainer:
     The tag task's sparse model (:func:`~fedprivacy.client.sparse_cohort.trains_in_closed_form`)
     trains with :func:`~fedprivacy.client.sparse_cohort.train_sparse_cohort` in chunks of about
     :data:`SPARSE_CHUNK_EXAMPLES` examples, on ``threads`` threads (its chunks only read the model;
-    its kernels release the GIL); the replies still come in chunk order, so the result does not
-    depend on the threads. Dense models train with :func:`train_cohort` in chunks of
+    their step loops run compiled, without the GIL:
+    :func:`~fedprivacy.client.sparse_cohort.compiled_local_steps`); the replies still come in chunk
+    order, so the result does not depend on the threads. Dense models train with :func:`train_cohort` in chunks of
     :func:`chunk_size` clients, one after another (``functional_call`` swaps the model's parameters
     while it runs, so two chunks cannot share the model).
     """
