@@ -320,11 +320,12 @@ def generated_tag_rows(population: OnDemandPopulation, source: ExampleSource, sp
                        *, vocab_size: int, num_tags: int, no_tag: NoTag) -> Iterator[tuple[str, _ClientRows]]:
     """``(client_id, CSR pieces)`` of ``clients`` (ids of ``split`` in ``source``, which ``population`` wrote:
     :func:`generated_population`) drawn, not decoded: what :func:`~fedprivacy.data.tag_prediction.iter_tag_rows`
-    yields from the files, in the same order."""
+    yields from the files, in the same order. A ``train`` or ``heldout`` user's ``test`` block, which follows in its
+    stream, is not drawn."""
     rows = TagRows(population.seed, source.word_count, source.tag_count, vocab_size=vocab_size, num_tags=num_tags,
                    no_tag=no_tag)
     for client in clients:
-        blocks = dict(population.draws(int(client)))
+        blocks = dict(population.draws(int(client), first_only=split != "test"))  # train, heldout: the first block
         if split not in blocks:
             raise ValueError(f"client {client!r} has no {split} examples in the generator's draws")
         yield client, rows.rows(blocks[split])

@@ -400,14 +400,14 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-_ONE_BYTE_VARINTS = tuple(bytes([v]) for v in range(0x80))
-"""``_varint(v)`` for ``v < 128`` (one byte: the value itself), looked up instead of built."""
+_SHORT_VARINTS = tuple(_varint(v) for v in range(1 << 14))
+"""``_varint(v)`` for ``v < 2^14`` (one or two bytes: every length of a generated example's fields and of all but
+the longest examples), looked up instead of built."""
 
 
 def _delimited(field_byte: bytes, payload: bytes) -> bytes:
     """A length-delimited protobuf field: its tag byte, the length, the payload."""
-    n = len(payload)
-    return field_byte + (_ONE_BYTE_VARINTS[n] if n < 0x80 else _varint(n)) + payload
+    return field_byte + _length(len(payload)) + payload
 
 
 def _entry(name: bytes, feature: bytes) -> bytes:
@@ -417,27 +417,35 @@ def _entry(name: bytes, feature: bytes) -> bytes:
 
 def _length(n: int) -> bytes:
     """The varint length prefix of an ``n``-byte payload."""
-    return _ONE_BYTE_VARINTS[n] if n < 0x80 else _varint(n)
+    return _SHORT_VARINTS[n] if n < len(_SHORT_VARINTS) else _varint(n)
 
 
 def _bytes_entry(name: bytes, value: str) -> bytes:
     """Entry of a one-value ``bytes_list`` feature (Feature field 1, BytesList field 1): ``_entry(name,
-    _delimited(0a, _delimited(0a, value)))``, the nested lengths added up first and the bytes joined once (each
-    ``_delimited`` would copy the payload again; this runs for every example of the generated data)."""
+    _delimited(0a, _delimited(0a, value)))``, framed by :func:`_bytes_framing` and joined once."""
     data = value.encode("utf-8")
-    n_value = len(data)
+    return _bytes_framing(name, len(data)) + data
+
+
+@functools.lru_cache(maxsize=4096)
+def _bytes_framing(name: bytes, n_value: int) -> bytes:
+    """The bytes of a one-value ``bytes_list`` entry that precede its ``n_value``-byte value: the nested lengths
+    added up first (each ``_delimited`` would copy the payload again). They depend on the length only, so they are
+    built once per (name, length): a few hundred distinct lengths frame the ~400,000 sentences of the quickstart."""
     value_len = _length(n_value)
     n_list = 1 + len(value_len) + n_value
     list_len = _length(n_list)
     n_feature = 1 + len(list_len) + n_list
     feature_len = _length(n_feature)
     n_entry = 2 + len(name) + 1 + len(feature_len) + n_feature  # names are shorter than 128 bytes
-    return b"".join((b"\x0a", _length(n_entry), b"\x0a", _ONE_BYTE_VARINTS[len(name)], name, b"\x12", feature_len,
-                     b"\x0a", list_len, b"\x0a", value_len, data))
+    return b"".join((b"\x0a", _length(n_entry), b"\x0a", _SHORT_VARINTS[len(name)], name, b"\x12", feature_len,
+                     b"\x0a", list_len, b"\x0a", value_len))
 
 
+@functools.lru_cache(maxsize=4096)
 def _int64_entry(name: bytes, value: int) -> bytes:
-    """Entry of a one-value ``int64_list`` feature (Feature field 3, packed Int64List field 1)."""
+    """Entry of a one-value ``int64_list`` feature (Feature field 3, packed Int64List field 1); cached, as a post's
+    score takes a few dozen values."""
     return _entry(name, _delimited(b"\x1a", _delimited(b"\x0a", _varint(value % (1 << 64)))))
 
 
@@ -474,10 +482,13 @@ class _Block:
                  for d, s, t, ti in zip(cols["creation_date"], cols["score"], cols["tags"],
                                         cols["title"])]
         tails = [_bytes_entry(b"type", t) for t in cols["type"]]
+        post_bytes = [len(head) + len(tail) for head, tail in zip(heads, tails)]
         blobs = []
         for post, sentence in zip(self.post_of.tolist(), self.sentences):
-            head, tokens, tail = heads[post], _bytes_entry(b"tokens", sentence), tails[post]
-            blobs.append(b"".join((b"\x0a", _length(len(head) + len(tokens) + len(tail)), head, tokens, tail)))
+            data = sentence.encode("utf-8")
+            framing = _bytes_framing(b"tokens", len(data))
+            blobs.append(b"".join((b"\x0a", _length(post_bytes[post] + len(framing) + len(data)), heads[post],
+                                   framing, data, tails[post])))
         return blobs
 
 

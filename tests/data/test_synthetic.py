@@ -260,11 +260,13 @@ def test_tag_specificity_rises_into_the_vocabulary_tail(so_files: SyntheticFiles
 
 
 def test_fast_encoder_is_byte_identical_to_encode_example() -> None:
+    """Also for sentences long enough (repeated 1,500 times: 15-90 kB) that the lengths need three varint bytes,
+    past the table of short lengths."""
     world = _world(0)
     for _, block in _user_splits(0, 7, world, _sizes(2, 5, 9)):
-        for score in (-1, 0, 1, 2 ** 40):
+        for score, repeat in ((-1, 1), (0, 1), (1, 1), (2 ** 40, 1), (2, 1_500)):
             columns = dict(block.post_columns, score=[score] * len(block.post_columns["score"]))
-            again = type(block)(columns, block.sentences, block.post_of, block.token_ids,
+            again = type(block)(columns, [s * repeat for s in block.sentences], block.post_of, block.token_ids,
                                 block.tag_ids)
             rows = again.columns()
             expected = [encode_example({name: rows[name][i] for name in rows})
